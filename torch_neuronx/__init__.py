@@ -1,0 +1,1 @@
+"""torch_neuronx: the neuron device (placeholder while the runtime is being built)."""
