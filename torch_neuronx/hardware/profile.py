@@ -43,6 +43,9 @@ class ChipProfile:
     semaphore_ns: float = 1300.0        # cross-engine semaphore-to-start
     dma_queue_bytes_per_ns: float = 23.0
     dma_queues: int = 16
+    # Fixed per-row (per contiguous run) DMA cost in byte-equivalents: rows of >= ~2 KiB per
+    # partition approach the queue's peak bandwidth, small rows do not.
+    dma_row_overhead_bytes: int = 512
     launch_overhead_ns: float = 2000.0  # host-to-device kernel launch on the runtime
     # Interconnect.
     neuronlink_bandwidth: float = 1.28e12   # bytes/s per chip

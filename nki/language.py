@@ -1,0 +1,428 @@
+"""``nki.language``: tensors, buffers, dtypes, loops and the convenience operations.
+
+Convenience operations (``nl.load``, ``nl.exp``, ``nl.matmul``, ``nl.softmax``, ...) are
+built from ``nki.isa`` instructions, so they obey the same rules and get timed the same way.
+"""
+from __future__ import annotations
+
+import builtins
+
+import numpy as np
+
+from . import _ops
+from . import errors as E
+from . import isa as _isa
+from .simulator import context as _ctx
+from .simulator import rules as _rules
+from .simulator.dtypes import (  # noqa: F401  (public dtypes)
+    DType, as_dtype, bfloat16, bool_, float4_e2m1fn, float8_e4m3, float8_e4m3fn, float8_e5m2,
+    float16, float32, int8, int16, int32, int64, tfloat32, uint8, uint16, uint32, uint64)
+from .simulator.tensor import NkiTensor
+
+tensor = NkiTensor
+
+
+class _Buffer:
+    def __init__(self, name, kind):
+        self.name, self.kind = name, kind
+
+    def __repr__(self):
+        return f"nki.language.{self.name}"
+
+
+sbuf = _Buffer("sbuf", "sbuf")
+psum = _Buffer("psum", "psum")
+hbm = _Buffer("hbm", "hbm")
+shared_hbm = _Buffer("shared_hbm", "shared_hbm")
+private_hbm = _Buffer("private_hbm", "private_hbm")
+_BUFFERS = {"sbuf": sbuf, "psum": psum, "hbm": hbm}
+
+
+class tile_size:
+    """Tile limits of the NeuronCore (identical on trn1/trn2/trn3)."""
+    pmax = 128
+    gemm_stationary_fmax = 128
+    gemm_moving_fmax = 512
+    bn_stats_fmax = 512
+    psum_fmax = 2048
+    psum_partition_size = 16384
+    total_available_sbuf_size = 192 * 1024
+
+
+def _kind(buffer):
+    if buffer is None:
+        return "sbuf"
+    if isinstance(buffer, _Buffer):
+        return buffer.kind
+    if isinstance(buffer, str) and buffer in ("sbuf", "psum", "hbm", "shared_hbm", "private_hbm"):
+        return buffer
+    raise E.UnsupportedError(f"buffer {buffer!r} is not supported (use nl.sbuf, nl.psum, nl.hbm, "
+                             f"nl.shared_hbm or nl.private_hbm)")
+
+
+def ndarray(shape, dtype, buffer=None, name=None, **kwargs):
+    """A new tensor; its contents are NaN (floats) until written, so stray reads show."""
+    if isinstance(shape, int):
+        shape = (shape,)
+    return _ctx.current().alloc(shape, as_dtype(dtype), _kind(buffer), name)
+
+
+def empty_like(a, dtype=None, buffer=None, name=None, **kwargs):
+    return ndarray(a.shape, dtype or a.dtype, buffer if buffer is not None else _BUFFERS[a.kind], name)
+
+
+def full(shape, fill_value, dtype, buffer=None, name=None, **kwargs):
+    t = ndarray(shape, dtype, buffer, name)
+    if t.kind == "hbm":
+        t.v[...] = t.dtype.round(np.float64(fill_value))
+    else:
+        _isa.memset(t, fill_value)
+    return t
+
+
+def zeros(shape, dtype, buffer=None, name=None, **kwargs):
+    return full(shape, 0, dtype, buffer, name)
+
+
+def ones(shape, dtype, buffer=None, name=None, **kwargs):
+    return full(shape, 1, dtype, buffer, name)
+
+
+def zeros_like(a, dtype=None, buffer=None, name=None, **kwargs):
+    return zeros(a.shape, dtype or a.dtype, buffer if buffer is not None else _BUFFERS[a.kind], name)
+
+
+def ones_like(a, dtype=None, buffer=None, name=None, **kwargs):
+    return ones(a.shape, dtype or a.dtype, buffer if buffer is not None else _BUFFERS[a.kind], name)
+
+
+# ----------------------------------------------------------------------------- indexing
+class _DynSlice:
+    __slots__ = ("start", "size")
+
+    def __init__(self, start, size):
+        self.start, self.size = int(start), int(size)
+
+
+def ds(start, size):
+    """A slice of ``size`` elements starting at ``start``."""
+    return _DynSlice(start, size)
+
+
+class _Arange:
+    """An affine index (start + step * i) usable to index one tensor axis."""
+
+    __slots__ = ("start", "stop", "step")
+
+    def __init__(self, start, stop, step=1):
+        self.start, self.stop, self.step = int(start), int(stop), int(step)
+
+    def as_slice(self):
+        return slice(self.start, self.stop, self.step if self.step != 1 else None)
+
+    def __getitem__(self, idx):           # nl.arange(n)[:, None] keeps the same index
+        return self
+
+    def __add__(self, k):
+        return _Arange(self.start + int(k), self.stop + int(k), self.step)
+
+    __radd__ = __add__
+
+    def __sub__(self, k):
+        return self + (-int(k))
+
+    def __mul__(self, k):
+        k = int(k)
+        return _Arange(self.start * k, self.start * k + (self.stop - self.start) * k, self.step * k)
+
+    __rmul__ = __mul__
+
+    @property
+    def shape(self):
+        return (len(range(self.start, self.stop, self.step)),)
+
+
+def arange(start, stop=None, step=1):
+    if stop is None:
+        start, stop = 0, start
+    return _Arange(start, stop, step)
+
+
+class _MGrid:
+    def __getitem__(self, idx):
+        if not isinstance(idx, tuple):
+            idx = (idx,)
+        parts = [_Arange(s.start or 0, s.stop, s.step or 1) for s in idx]
+
+        class _Grid(tuple):
+            pass
+        g = _Grid(parts)
+        for name, a in zip(("p", "x", "y", "z"), parts):
+            setattr(g, name, a)
+        return g
+
+
+mgrid = _MGrid()
+
+
+def par_dim(x):
+    """Legacy marker of the partition dimension; the partition axis is always axis 0."""
+    return x
+
+
+# ----------------------------------------------------------------------------- programs
+def program_id(axis=0):
+    sim = _ctx.current()
+    return sim.pid[axis] if axis < len(sim.pid) else 0
+
+
+def num_programs(axes=None):
+    g = _ctx.current().grid or (1,)
+    if axes is None:
+        return int(np.prod(g))
+    if isinstance(axes, (tuple, list)):
+        return int(np.prod([g[a] if a < len(g) else 1 for a in axes]))
+    return g[axes] if axes < len(g) else 1
+
+
+def program_ndim():
+    return len(_ctx.current().grid)
+
+
+# ----------------------------------------------------------------------------- loops
+def affine_range(*args, **kwargs):
+    """Deprecated in NKI 0.7: the same as Python ``range``."""
+    return range(*args)
+
+
+sequential_range = static_range = affine_range
+
+
+def fori_loop(lower, upper, body_fun, step=1):
+    """Run body_fun(i) for i in range(lower, upper, step); bounds may be registers."""
+    if int(step) <= 0:
+        _rules.fail(E.NkiRuleError, "fori_loop: step must be a positive compile-time integer")
+    for i in range(int(lower), int(upper), int(step)):
+        body_fun(i)
+
+
+def while_loop(init, body_fun):
+    """Run r = body_fun(r) while the condition register r is nonzero."""
+    r = init
+    while int(r.value if isinstance(r, _isa.VirtualRegister) else r) != 0:
+        r = body_fun(r)
+
+
+def device_print(prefix, x, **kwargs):
+    print(prefix, x.v if isinstance(x, NkiTensor) else x)
+
+
+# ----------------------------------------------------------------------------- data movement
+def load(src, dtype=None, **kwargs):
+    """Copy an HBM tensor (or a slice of it) into a new SBUF tile."""
+    t = ndarray(src.shape, dtype or src.dtype, sbuf)
+    _isa.dma_copy(t, src)
+    return t
+
+
+def store(dst, value, **kwargs):
+    """Copy an SBUF tile into an HBM tensor."""
+    _isa.dma_copy(dst, value)
+
+
+def copy(x, dtype=None, **kwargs):
+    t = ndarray(x.shape, dtype or x.dtype, sbuf)
+    _isa.tensor_copy(t, x)
+    return t
+
+
+def _assign(dst, value):
+    if isinstance(value, NkiTensor):
+        if dst.kind == "hbm" or value.kind == "hbm":
+            _isa.dma_copy(dst, value)
+        else:
+            _isa.tensor_copy(dst, value)
+    else:
+        _isa.memset(dst, value)
+
+
+# ----------------------------------------------------------------------------- arithmetic
+def _result_dtype(*xs):
+    ts = [x.dtype for x in xs if isinstance(x, NkiTensor)]
+    if builtins.any(isinstance(x, float) for x in xs) and not builtins.any(t.is_float for t in ts):
+        return float32
+    return builtins.max(ts, key=lambda d: (d.is_float, d.itemsize))
+
+
+def _broadcast_partition(t, P):
+    """A (1, F) tile repeated over P partitions (GpSimd partition broadcast)."""
+    out = ndarray((P,) + tuple(t.shape[1:]), t.dtype, sbuf)
+    sim = _ctx.current()
+    sim.compute("partition_broadcast", "gpsimd", 150 + t.free_size, [t], [out])
+    out.v[...] = np.broadcast_to(t.v, out.shape)
+    return out
+
+
+def _binary(op, x, y, dtype=None, **kwargs):
+    xt, yt = isinstance(x, NkiTensor), isinstance(y, NkiTensor)
+    if not xt and not yt:
+        return float(_ops.apply_binary(op, np.float32(x), np.float32(y)))
+    dt = as_dtype(dtype) if dtype is not None else _result_dtype(x, y)
+    if xt and yt:
+        if x.shape[0] != y.shape[0]:
+            if x.shape[0] == 1:
+                x = _broadcast_partition(x, y.shape[0])
+            elif y.shape[0] == 1:
+                y = _broadcast_partition(y, x.shape[0])
+        if x.free_size == 1 and y.free_size > 1:
+            out = ndarray(y.shape, dt, sbuf)
+            _isa.tensor_scalar(out, y, op, x, reverse0=True)
+            return out
+        if y.free_size == 1 and x.free_size > 1:
+            out = ndarray(x.shape, dt, sbuf)
+            _isa.tensor_scalar(out, x, op, y)
+            return out
+        if tuple(x.shape) != tuple(y.shape) and x.free_size == y.free_size:
+            y = y.reshape(x.shape)
+        out = ndarray(x.shape, dt, sbuf)
+        _isa.tensor_tensor(out, x, y, op)
+        return out
+    t, s, rev = (x, y, False) if xt else (y, x, True)
+    out = ndarray(t.shape, dt, sbuf)
+    _isa.tensor_scalar(out, t, op, s, reverse0=rev)
+    return out
+
+
+def _unary(op, x, dtype=None, **kwargs):
+    out = ndarray(x.shape, dtype or x.dtype, sbuf)
+    if op.kind == "bitvec1":
+        _isa.tensor_scalar(out, x, _ops.BINARY["bitwise_xor"], -1)
+    else:
+        _isa.activation(out, op, x)
+    return out
+
+
+def _reduce_call(op, x, axis=None, dtype=None, keepdims=False, **kwargs):
+    return _reduce(op, x, axis, dtype, keepdims)
+
+
+def _reduce(op, x, axis, dtype, keepdims, negate=False):
+    axis = tuple(range(1, x.ndim)) if axis is None else axis
+    ax = tuple(a % x.ndim for a in (axis if isinstance(axis, (tuple, list)) else (axis,)))
+    shape = tuple(1 if i in ax else n for i, n in enumerate(x.shape)) if keepdims else \
+        tuple(n for i, n in enumerate(x.shape) if i not in ax)
+    if not shape or shape[0] != x.shape[0]:
+        shape = (x.shape[0],) + shape[1:] if shape else (x.shape[0], 1)
+    out = ndarray(shape, dtype or x.dtype, sbuf)
+    _isa.tensor_reduce(out, op, x, ax, negate=negate, keepdims=keepdims)
+    return out
+
+
+for _name, _op in _ops.BINARY.items():
+    _op._call = _reduce_call if _name in ("max", "min") else _binary
+    globals()[_name] = _op
+for _name, _op in _ops.UNARY.items():
+    _op._call = _unary
+    globals()[_name] = _op
+del _name, _op
+
+
+def sum(x, axis=None, dtype=None, keepdims=False, **kwargs):  # noqa: A001
+    return _reduce(_ops.BINARY["add"], x, axis, dtype, keepdims)
+
+
+def prod(x, axis=None, dtype=None, keepdims=False, **kwargs):
+    return _reduce(_ops.BINARY["multiply"], x, axis, dtype, keepdims)
+
+
+def mean(x, axis=None, dtype=None, keepdims=False, **kwargs):
+    s = _reduce(_ops.BINARY["add"], x, axis, float32, keepdims)
+    n = x.size // s.size
+    out = ndarray(s.shape, dtype or x.dtype, sbuf)
+    _isa.tensor_scalar(out, s, multiply, 1.0 / n)
+    return out
+
+
+def all(x, axis=None, dtype=None, keepdims=False, **kwargs):  # noqa: A001
+    return min(not_equal(x, 0.0, dtype=float32), axis, dtype=dtype or bool_, keepdims=keepdims)
+
+
+def any(x, axis=None, dtype=None, keepdims=False, **kwargs):  # noqa: A001
+    return max(not_equal(x, 0.0, dtype=float32), axis, dtype=dtype or bool_, keepdims=keepdims)
+
+
+def where(condition, x, y, dtype=None, **kwargs):
+    """Elementwise select on VectorE: x where condition is nonzero, else y."""
+    ref = next(t for t in (condition, x, y) if isinstance(t, NkiTensor))
+    dt = as_dtype(dtype) if dtype is not None else _result_dtype(*(t for t in (x, y) if isinstance(t, NkiTensor))) \
+        if isinstance(x, NkiTensor) or isinstance(y, NkiTensor) else float32
+    out = ndarray(ref.shape, dt, sbuf)
+    reads = [t for t in (condition, x, y) if isinstance(t, NkiTensor)]
+    _ctx.current().compute("select", "vector", max(64, 2 * ref.free_size), reads, [out])
+    val = [t.v.reshape(ref.shape).astype(np.float32) if isinstance(t, NkiTensor) else np.float32(t)
+           for t in (condition, x, y)]
+    out.v[...] = out.dtype.round(np.where(val[0] != 0, val[1], val[2]))
+    return out
+
+
+def transpose(x, dtype=None, **kwargs):
+    """Swap partition and free axes of a 2-D tile on TensorE (result in PSUM)."""
+    out = ndarray((x.free_size, x.shape[0]), dtype or x.dtype, psum)
+    _isa.nc_transpose(out, x)
+    return out
+
+
+def matmul(x, y, transpose_x=False, **kwargs):
+    """x @ y on TensorE into a float32 PSUM tile.
+
+    With transpose_x=True, x is already laid out [K, M] (contraction on partitions)."""
+    if not transpose_x:
+        xt = transpose(x)
+        x = copy(xt)
+    out = ndarray((x.free_size, y.free_size), float32, psum)
+    _isa.nc_matmul(out, x, y)
+    return out
+
+
+def softmax(x, axis=-1, dtype=None, compute_dtype=None, **kwargs):
+    """exp(x - max) / sum over the last free axis: VectorE max, ScalarE exp+sum, VectorE scale."""
+    P = x.shape[0]
+    _isa._axes(axis, x.ndim, "softmax")
+    mx = ndarray((P, 1), float32, sbuf)
+    _isa.tensor_reduce(mx, maximum, x, tuple(range(1, x.ndim)) if x.ndim > 2 else 1, negate=True)
+    e = ndarray(x.shape, float32, sbuf)
+    s = ndarray((P, 1), float32, sbuf)
+    _isa.activation(e, exp, x, bias=mx, reduce_op=add, reduce_res=s)
+    r = ndarray((P, 1), float32, sbuf)
+    _isa.reciprocal(r, s)
+    out = ndarray(x.shape, dtype or x.dtype, sbuf)
+    _isa.tensor_scalar(out, e, multiply, r)
+    return out
+
+
+def rms_norm(x, w, axis=-1, n=None, epsilon=1e-6, dtype=None, compute_dtype=None, **kwargs):
+    """x / sqrt(sum(x^2) / n + epsilon) * w along the free axis."""
+    P, F = x.shape[0], x.free_size
+    n = F if n is None else n
+    sq = ndarray(x.shape, float32, sbuf)
+    ss = ndarray((P, 1), float32, sbuf)
+    _isa.activation(sq, square, x, reduce_op=add, reduce_res=ss)
+    rs = ndarray((P, 1), float32, sbuf)
+    _isa.tensor_scalar(rs, ss, multiply, 1.0 / n, op1=add, operand1=float(epsilon))
+    _isa.activation(rs, rsqrt, rs)
+    if w.shape[0] != P:
+        w = _broadcast_partition(w if w.ndim > 1 else w.reshape(1, -1), P)
+    out = ndarray(x.shape, dtype or x.dtype, sbuf)
+    _isa.scalar_tensor_tensor(out, x, multiply, rs, multiply, w.reshape(x.shape))
+    return out
+
+
+_MISSING = {"atomic_rmw", "all_reduce", "loop_reduce", "gather_flattened", "shared_constant",
+            "shared_identity_matrix", "static_assert", "dropout_", "random_seed", "rand",
+            "random", "dynamic_range", "invert_"}
+
+
+def __getattr__(name):
+    if name in _MISSING:
+        raise E.UnsupportedError(f"nki.language.{name} is not implemented in this NKI simulator")
+    raise AttributeError(f"module 'nki.language' has no attribute {name!r}")

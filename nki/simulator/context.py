@@ -1,0 +1,123 @@
+"""The state of one kernel run: target profile, on-chip allocators, the program's position in
+its launch grid, and (when timing) the engine timelines. Instructions report here."""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import errors as E
+from . import rules
+from .dtypes import DType
+from .memory import Allocator
+from .tensor import Buffer, NkiTensor, new_id
+from .timing import Timeline
+
+
+def _profile(target):
+    from torch_neuronx.hardware import get_profile
+    return get_profile(target)
+
+
+class Sim:
+    def __init__(self, target=None, timing=False):
+        self.profile = p = _profile(target)
+        self.target = p.name
+        self.pmax = p.partitions
+        self.sbuf = Allocator("sbuf", p.sbuf_partition_bytes)
+        self.psum = Allocator("psum", p.psum_partition_bytes, bank_bytes=p.psum_bank_bytes)
+        self.timing = timing
+        self.ncores = max(1, p.default_lnc)
+        self.timelines = [Timeline(p, c) for c in range(self.ncores)] if timing else []
+        self.tl = self.timelines[0] if timing else None
+        self.count = 0
+        self.grid = ()
+        self.pid = ()
+        self.shared: list = []          # shared_hbm buffers of program 0, reused by the others
+        self.shared_i = 0
+        self.scalar_regs = None         # ScalarE reduce registers (activation accumulate)
+        self.vector_regs = None
+
+    # -- allocation ----------------------------------------------------------------
+    def alloc(self, shape, dtype: DType, kind: str, name=None, fill="nan") -> NkiTensor:
+        shape = tuple(int(s) for s in shape)
+        name = name or f"{kind}_{new_id()}"
+        if kind in ("shared_hbm", "hbm") and self.grid and self.pid != (0,) * len(self.pid):
+            if self.shared_i < len(self.shared):
+                buf = self.shared[self.shared_i]
+                self.shared_i += 1
+                return NkiTensor(buf, buf.data)
+        store = np.empty(shape, dtype=dtype.storage)
+        _fill(store, dtype, fill)
+        if kind in ("shared_hbm", "hbm", "private_hbm"):
+            buf = Buffer("hbm", dtype, store, name)
+            if kind != "private_hbm" and self.grid:
+                self.shared.append(buf)
+                self.shared_i += 1
+            return NkiTensor(buf, store)
+        if not shape:
+            rules.fail(E.ShapeMismatchError, f"an {kind.upper()} tensor needs a partition dimension")
+        if shape[0] > self.pmax:
+            rules.fail(E.PartitionDimensionError,
+                       f"{kind.upper()} tensor {name!r} of shape {shape} has partition dimension "
+                       f"{shape[0]} > {self.pmax} (nl.tile_size.pmax)")
+        per_part = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+        alloc = self.sbuf if kind == "sbuf" else self.psum
+        addr = alloc.alloc(per_part, name)
+        buf = Buffer(kind, dtype, store, name, addr, alloc)
+        if kind == "psum":
+            buf.groups = []
+        return NkiTensor(buf, store)
+
+    # -- instruction issue -----------------------------------------------------------
+    def compute(self, name, engine, cycles, reads=(), writes=()):
+        self.count += 1
+        rules.check_access(name, engine, reads, writes)
+        rules.check_partitions(name, engine, list(reads) + list(writes), self.pmax)
+        for w in writes:
+            w.buf.written = True
+        if self.timing:
+            self.tl.compute(name, engine, cycles, [t.box() for t in reads], [t.box() for t in writes])
+
+    def dma(self, name, dst, src, efficiency=1.0):
+        self.count += 1
+        rules.check_access(name, "dma", [src], [dst])
+        rules.check_partitions(name, "dma", [src, dst], self.pmax)
+        dst.buf.written = True
+        if self.timing:
+            nbytes = dst.size * dst.dtype.itemsize
+            onchip = dst if dst.kind != "hbm" else src
+            rows = onchip.shape[0] if onchip.kind != "hbm" else int(np.prod(dst.shape[:-1])) or 1
+            row_bytes = max(1, nbytes // max(rows, 1))
+            self.tl.dma(name, nbytes, row_bytes, "hbm" in (dst.kind, src.kind),
+                        [src.box()], [dst.box()], efficiency)
+
+    def ns(self, engine, cycles):
+        return self.tl.compute_ns(engine, cycles) if self.tl else 0.0
+
+
+def _fill(store, dtype, fill):
+    if fill == "nan":
+        if dtype.is_float:
+            store.fill(np.nan)
+        elif dtype.name == "bool":
+            store.fill(True)
+        else:
+            # Integers cannot hold NaN: uninitialised integer memory reads as the max value.
+            store.fill(np.iinfo(dtype.storage).max)
+    elif fill is not None:
+        store.fill(fill)
+
+
+_current: Sim | None = None
+
+
+def current() -> Sim:
+    global _current
+    if _current is None:
+        _current = Sim()            # interactive use outside a kernel run: functional only
+    return _current
+
+
+def set_current(sim):
+    global _current
+    prev, _current = _current, sim
+    return prev

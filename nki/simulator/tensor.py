@@ -1,0 +1,211 @@
+"""Tensors: a ``Buffer`` (one allocation in HBM, SBUF or PSUM) and ``NkiTensor`` views of it.
+
+The first axis of an on-chip tensor is the partition axis. Indexing returns a view that
+shares the buffer, so instructions write through to it.
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from .. import errors as E
+from . import rules
+
+_ids = itertools.count()
+
+
+class Buffer:
+    __slots__ = ("kind", "dtype", "data", "name", "addr", "alloc", "ptr", "sitem",
+                 "written", "groups", "origin", "__weakref__")
+
+    def __init__(self, kind, dtype, data, name, addr=0, alloc=None, origin=None):
+        self.kind, self.dtype, self.data, self.name = kind, dtype, data, name
+        self.addr, self.alloc, self.origin = addr, alloc, origin
+        self.ptr = data.__array_interface__["data"][0]
+        self.sitem = data.itemsize
+        self.written = False
+        self.groups = None           # PSUM: boxes of open matmul accumulation groups
+
+    def __del__(self):
+        if self.alloc is not None:
+            self.alloc.free(self.addr)
+
+
+def _bounds(a: np.ndarray):
+    """Lowest and one-past-highest byte address a view touches."""
+    ai = a.__array_interface__
+    lo = hi = ai["data"][0]
+    strides = ai["strides"]
+    if a.size == 0:
+        return lo, lo
+    if strides is None:
+        return lo, lo + a.nbytes
+    for n, s in zip(a.shape, strides):
+        if s < 0:
+            lo += (n - 1) * s
+        else:
+            hi += (n - 1) * s
+    return lo, hi + a.itemsize
+
+
+class NkiTensor:
+    """A view of an NKI buffer: ``shape``, ``dtype``, ``buffer`` as in AWS's NKI."""
+
+    __slots__ = ("buf", "v", "shape", "pstart", "_box")
+
+    def __init__(self, buf: Buffer, view: np.ndarray):
+        self.buf, self.v, self.shape = buf, view, view.shape
+        self._box = None
+        if buf.kind != "hbm" and view.ndim:
+            lo, _ = _bounds(view)
+            self.pstart = (lo - buf.ptr) // buf.data.strides[0]
+        else:
+            self.pstart = 0
+
+    # -- AWS-visible attributes -------------------------------------------------------
+    @property
+    def dtype(self):
+        return self.buf.dtype
+
+    @property
+    def buffer(self):
+        from ..language import _BUFFERS
+        return _BUFFERS[self.buf.kind]
+
+    @property
+    def kind(self) -> str:
+        return self.buf.kind
+
+    @property
+    def name(self) -> str:
+        return self.buf.name
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape)) if self.shape else 1
+
+    @property
+    def free_size(self) -> int:
+        return int(np.prod(self.shape[1:])) if len(self.shape) > 1 else 1
+
+    @property
+    def itemsize(self) -> int:
+        return self.buf.dtype.itemsize
+
+    def __len__(self):
+        return self.shape[0]
+
+    def __repr__(self):
+        return f"NkiTensor({self.name}, shape={tuple(self.shape)}, dtype={self.dtype.name}, buffer={self.kind})"
+
+    # -- views ------------------------------------------------------------------------
+    def __getitem__(self, idx):
+        return NkiTensor(self.buf, self.v[_norm_index(idx, self.shape, self.kind != "hbm")])
+
+    def __setitem__(self, idx, value):
+        from .. import language as nl
+        nl._assign(self[idx], value)
+
+    def reshape(self, *shape):
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        try:
+            v = self.v.view()
+            v.shape = tuple(int(s) for s in shape)
+        except (AttributeError, ValueError):
+            rules.fail(E.ShapeMismatchError,
+                       f"cannot reshape {self.name!r} {tuple(self.shape)} to {tuple(shape)} "
+                       f"without copying (it is not contiguous or the sizes differ)")
+        return NkiTensor(self.buf, v)
+
+    def view(self, dtype):
+        raise E.UnsupportedError("NkiTensor.view(dtype) (bit-casting a tensor) is not implemented")
+
+    def box(self):
+        """Region this view touches, for dependency tracking: (space, bounds tuple)."""
+        if self._box is None:
+            buf = self.buf
+            lo, hi = _bounds(self.v)
+            lo, hi = (lo - buf.ptr) // buf.sitem, (hi - buf.ptr) // buf.sitem - 1
+            if buf.kind == "hbm":
+                b = []
+                for n in reversed(buf.data.shape):
+                    lo, l0 = divmod(lo, n)
+                    hi, h0 = divmod(hi, n)
+                    b += [l0, h0 + 1]
+                self._box = (id(buf), tuple(b))
+            else:
+                row = buf.data.strides[0] // buf.sitem
+                p0, f0 = divmod(lo, row)
+                p1, f1 = divmod(hi, row)
+                isz = buf.dtype.itemsize
+                self._box = (buf.kind, (p0, p1 + 1, buf.addr + f0 * isz, buf.addr + (f1 + 1) * isz))
+        return self._box
+
+    # -- arithmetic sugar: tiles combine through nki.language ---------------------------
+    def _bin(self, other, op, rev=False):
+        from .. import language as nl
+        return getattr(nl, op)(other, self) if rev else getattr(nl, op)(self, other)
+
+    def __add__(self, o): return self._bin(o, "add")
+    def __radd__(self, o): return self._bin(o, "add", True)
+    def __sub__(self, o): return self._bin(o, "subtract")
+    def __rsub__(self, o): return self._bin(o, "subtract", True)
+    def __mul__(self, o): return self._bin(o, "multiply")
+    def __rmul__(self, o): return self._bin(o, "multiply", True)
+    def __truediv__(self, o): return self._bin(o, "divide")
+    def __rtruediv__(self, o): return self._bin(o, "divide", True)
+    def __neg__(self):
+        from .. import language as nl
+        return nl.negative(self)
+
+
+def _norm_index(idx, shape, keep_partition):
+    from ..language import _Arange, _DynSlice
+    if not isinstance(idx, tuple):
+        idx = (idx,)
+    out, dim = [], 0
+    if any(i is Ellipsis for i in idx):
+        k = idx.index(Ellipsis)
+        fill = len(shape) - (len(idx) - 1)
+        idx = idx[:k] + (slice(None),) * fill + idx[k + 1:]
+    for i in idx:
+        if dim >= len(shape):
+            rules.fail(E.IndexOutOfBoundsError, f"too many indices for a tensor of shape {tuple(shape)}")
+        n = shape[dim]
+        if isinstance(i, _Arange):
+            i = i.as_slice()
+        elif isinstance(i, _DynSlice):
+            i = slice(i.start, i.start + i.size)
+        if isinstance(i, slice):
+            start, stop, step = i.start, i.stop, i.step
+            if isinstance(start, NkiTensor) or isinstance(stop, NkiTensor):
+                raise E.UnsupportedError("indexing with a tensor (dynamic offset) is not implemented; "
+                                         "use a Python int")
+            start = 0 if start is None else int(start)
+            stop = n if stop is None else int(stop)
+            if start < 0 or stop > n or start > stop:
+                rules.fail(E.IndexOutOfBoundsError,
+                           f"slice [{start}:{stop}] is out of bounds for axis {dim} of size {n} "
+                           f"(shape {tuple(shape)})")
+            out.append(slice(start, stop, step))
+        elif isinstance(i, (int, np.integer)) or hasattr(i, "__index__"):
+            i = int(i)
+            if i < -n or i >= n:
+                rules.fail(E.IndexOutOfBoundsError,
+                           f"index {i} is out of bounds for axis {dim} of size {n} (shape {tuple(shape)})")
+            out.append(slice(i, i + 1) if (dim == 0 and keep_partition) else i)
+        else:
+            raise E.UnsupportedError(f"index of type {type(i).__name__} is not supported "
+                                     f"(use ints, slices, nl.ds or nl.arange)")
+        dim += 1
+    return tuple(out)
+
+
+def new_id() -> int:
+    return next(_ids)

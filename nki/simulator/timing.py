@@ -1,0 +1,115 @@
+"""The timing model: engines run in parallel, each in program order, ordered by data
+dependencies between the regions instructions read and write.
+
+Dependencies are tracked per region (SBUF/PSUM by partition x byte address, HBM by element
+box): a read waits for the last overlapping write (RAW); a write waits for overlapping reads
+and writes (WAR, WAW). Waiting on another engine costs the cross-engine semaphore latency.
+Every number comes from the hardware profile.
+"""
+from __future__ import annotations
+
+ENGINES = ("tensor", "vector", "scalar", "gpsimd")
+
+
+def _overlap(a, b):
+    for i in range(0, len(a), 2):
+        if a[i] >= b[i + 1] or b[i] >= a[i + 1]:
+            return False
+    return True
+
+
+def _contains(outer, inner):
+    for i in range(0, len(outer), 2):
+        if inner[i] < outer[i] or inner[i + 1] > outer[i + 1]:
+            return False
+    return True
+
+
+class Timeline:
+    def __init__(self, profile, core: int = 0):
+        self.p, self.core = profile, core
+        self.free = {e: 0.0 for e in ENGINES}
+        self.queues = [0.0] * profile.dma_queues
+        self.hbm_free = 0.0
+        self.busy = {e: 0.0 for e in ENGINES}
+        self.busy["dma"] = 0.0
+        self.regions: dict = {}
+        self.events: list = []
+        self.dma_bytes = 0
+        self.end = 0.0
+        # A logical core's share of the chip's HBM bandwidth, in bytes per ns.
+        self.hbm_bytes_per_ns = profile.hbm_bandwidth / 1e9 / profile.logical_cores(profile.default_lnc) \
+            / profile.default_lnc
+
+    def compute_ns(self, engine: str, cycles: float) -> float:
+        clock = {"tensor": self.p.tensor_clock, "vector": self.p.vector_clock,
+                 "scalar": self.p.scalar_clock, "gpsimd": self.p.gpsimd_clock}[engine]
+        return (cycles + self.p.engine_access_overhead_cycles) / clock * 1e9
+
+    def _ready(self, engine, reads, writes):
+        sem = self.p.semaphore_ns
+        ready = 0.0
+        for space, b in reads:
+            for e in self.regions.get(space, ()):
+                if e[1] and _overlap(e[0], b):
+                    t = e[1] + (sem if e[2] != engine else 0.0)
+                    if t > ready:
+                        ready = t
+        for space, b in writes:
+            for e in self.regions.get(space, ()):
+                if _overlap(e[0], b):
+                    if e[1]:
+                        t = e[1] + (sem if e[2] != engine else 0.0)
+                        if t > ready:
+                            ready = t
+                    if e[3]:
+                        t = e[3] + (sem if e[4] != engine else 0.0)
+                        if t > ready:
+                            ready = t
+        return ready
+
+    def _record(self, engine, reads, writes, end):
+        for space, b in reads:
+            lst = self.regions.setdefault(space, [])
+            for e in lst:
+                if e[0] == b:
+                    if end > e[3]:
+                        e[3], e[4] = end, engine
+                    break
+            else:
+                lst.append([b, 0.0, None, end, engine])
+        for space, b in writes:
+            lst = self.regions.setdefault(space, [])
+            lst[:] = [e for e in lst if not _contains(b, e[0])]
+            lst.append([b, end, engine, 0.0, None])
+
+    def compute(self, name, engine, cycles, reads, writes, args=None):
+        dur = self.compute_ns(engine, cycles)
+        start = max(self.free[engine], self._ready(engine, reads, writes))
+        end = start + dur
+        self.free[engine] = end
+        self.busy[engine] += dur
+        self._record(engine, reads, writes, end)
+        self.events.append((name, engine, start, dur, args))
+        self.end = max(self.end, end)
+        return end
+
+    def dma(self, name, nbytes, row_bytes, touches_hbm, reads, writes, efficiency=1.0, args=None):
+        p = self.p
+        q = min(range(len(self.queues)), key=self.queues.__getitem__)
+        start = max(self.queues[q], self._ready("dma", reads, writes))
+        # Each contiguous row carries a fixed cost; rows of >= ~2 KiB approach peak.
+        eff = efficiency * row_bytes / (row_bytes + p.dma_row_overhead_bytes)
+        xfer = nbytes / (p.dma_queue_bytes_per_ns * max(eff, 1e-3))
+        end = start + p.dma_fixed_ns + xfer
+        if touches_hbm:
+            h0 = max(self.hbm_free, start + p.dma_fixed_ns)
+            self.hbm_free = h0 + nbytes / self.hbm_bytes_per_ns
+            end = max(end, self.hbm_free)
+        self.queues[q] = end
+        self.busy["dma"] += end - start
+        self.dma_bytes += nbytes
+        self._record("dma", reads, writes, end)
+        self.events.append((name, f"dma{q}", start, end - start, args))
+        self.end = max(self.end, end)
+        return end
