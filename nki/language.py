@@ -358,7 +358,7 @@ def where(condition, x, y, dtype=None, **kwargs):
         if isinstance(x, NkiTensor) or isinstance(y, NkiTensor) else float32
     out = ndarray(ref.shape, dt, sbuf)
     reads = [t for t in (condition, x, y) if isinstance(t, NkiTensor)]
-    _ctx.current().compute("select", "vector", max(64, 2 * ref.free_size), reads, [out])
+    _ctx.current().compute("select", "vector", builtins.max(64, 2 * ref.free_size), reads, [out])
     val = [t.v.reshape(ref.shape).astype(np.float32) if isinstance(t, NkiTensor) else np.float32(t)
            for t in (condition, x, y)]
     out.v[...] = out.dtype.round(np.where(val[0] != 0, val[1], val[2]))

@@ -12,9 +12,37 @@ from .tensor import Buffer, NkiTensor, new_id
 from .timing import Timeline
 
 
+_get_profile = None
+
+
+def _load_hardware():
+    """``torch_neuronx.hardware.get_profile``; if the torch_neuronx package itself cannot be
+    imported (its device runtime is optional for NKI), load just its hardware data package."""
+    try:
+        from torch_neuronx.hardware import get_profile
+        return get_profile
+    except Exception:
+        import importlib.util
+        import os
+        import sys
+        spec = importlib.util.find_spec("torch_neuronx")
+        root = os.path.dirname(spec.origin) if spec and spec.origin else None
+        if root is None:
+            raise
+        hw = os.path.join(root, "hardware")
+        s = importlib.util.spec_from_file_location("_nki_hardware", os.path.join(hw, "__init__.py"),
+                                                   submodule_search_locations=[hw])
+        mod = importlib.util.module_from_spec(s)
+        sys.modules["_nki_hardware"] = mod
+        s.loader.exec_module(mod)
+        return mod.get_profile
+
+
 def _profile(target):
-    from torch_neuronx.hardware import get_profile
-    return get_profile(target)
+    global _get_profile
+    if _get_profile is None:
+        _get_profile = _load_hardware()
+    return _get_profile(target)
 
 
 class Sim:
@@ -87,7 +115,7 @@ class Sim:
             onchip = dst if dst.kind != "hbm" else src
             rows = onchip.shape[0] if onchip.kind != "hbm" else int(np.prod(dst.shape[:-1])) or 1
             row_bytes = max(1, nbytes // max(rows, 1))
-            self.tl.dma(name, nbytes, row_bytes, "hbm" in (dst.kind, src.kind),
+            self.tl.dma(name, nbytes, rows, row_bytes, "hbm" in (dst.kind, src.kind),
                         [src.box()], [dst.box()], efficiency)
 
     def ns(self, engine, cycles):

@@ -77,18 +77,19 @@ def _write_back(t: NkiTensor):
         origin[...] = real.astype(origin.dtype)
 
 
-def _outputs(res, torch_like):
+def _outputs(res, torch_like, func=None):
     if isinstance(res, NkiTensor):
         if res.kind != "hbm":
-            from .rules import fail
-            fail(E.OutputBufferError, f"kernel output {res.name!r} lives in {res.kind.upper()}; "
-                 f"outputs must be allocated in nl.shared_hbm")
+            code = getattr(func, "__code__", None)
+            raise E.OutputBufferError(
+                f"kernel output {res.name!r} lives in {res.kind.upper()}; outputs must be "
+                f"allocated in nl.shared_hbm", code and code.co_filename, code and code.co_firstlineno)
         a = res.dtype.to_real(res.v)
         return _to_torch(a, torch_like) if torch_like is not None else a
     if isinstance(res, (tuple, list)):
-        return type(res)(_outputs(r, torch_like) for r in res)
+        return type(res)(_outputs(r, torch_like, func) for r in res)
     if isinstance(res, dict):
-        return {k: _outputs(v, torch_like) for k, v in res.items()}
+        return {k: _outputs(v, torch_like, func) for k, v in res.items()}
     return res
 
 
@@ -118,7 +119,7 @@ def run(func, args, kwargs, grid=(), target=None, timing=False):
         for a in list(wargs) + list(wkw.values()):
             if isinstance(a, NkiTensor):
                 _write_back(a)
-        return _outputs(result, torch_like), sim
+        return _outputs(result, torch_like, func), sim
     finally:
         context.set_current(prev)
 

@@ -94,22 +94,26 @@ class Timeline:
         self.end = max(self.end, end)
         return end
 
-    def dma(self, name, nbytes, row_bytes, touches_hbm, reads, writes, efficiency=1.0, args=None):
+    def dma(self, name, nbytes, rows, row_bytes, touches_hbm, reads, writes, efficiency=1.0, args=None):
+        """A DMA instruction's descriptors spread over up to ``dma_queues`` queues (one run
+        of rows each); it starts when all of them are free and its data is ready."""
         p = self.p
-        q = min(range(len(self.queues)), key=self.queues.__getitem__)
-        start = max(self.queues[q], self._ready("dma", reads, writes))
+        k = max(1, min(len(self.queues), rows))
+        order = sorted(range(len(self.queues)), key=self.queues.__getitem__)[:k]
+        start = max(self.queues[order[-1]], self._ready("dma", reads, writes))
         # Each contiguous row carries a fixed cost; rows of >= ~2 KiB approach peak.
         eff = efficiency * row_bytes / (row_bytes + p.dma_row_overhead_bytes)
-        xfer = nbytes / (p.dma_queue_bytes_per_ns * max(eff, 1e-3))
+        xfer = nbytes / k / (p.dma_queue_bytes_per_ns * max(eff, 1e-3))
         end = start + p.dma_fixed_ns + xfer
         if touches_hbm:
             h0 = max(self.hbm_free, start + p.dma_fixed_ns)
             self.hbm_free = h0 + nbytes / self.hbm_bytes_per_ns
             end = max(end, self.hbm_free)
-        self.queues[q] = end
-        self.busy["dma"] += end - start
+        for q in order:
+            self.queues[q] = end
+        self.busy["dma"] += (end - start) * k / len(self.queues)
         self.dma_bytes += nbytes
         self._record("dma", reads, writes, end)
-        self.events.append((name, f"dma{q}", start, end - start, args))
+        self.events.append((name, f"dma{order[0]}", start, end - start, args))
         self.end = max(self.end, end)
         return end

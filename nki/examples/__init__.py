@@ -1,0 +1,1 @@
+"""Example NKI kernels (used by docs/nki.md and the tests)."""
