@@ -1,1 +1,65 @@
-"""torch_neuronx: the neuron device (placeholder while the runtime is being built)."""
+"""torch_neuronx: the neuron device, a virtual AWS Trainium NeuronCore for PyTorch.
+
+Importing this package (which ``import torch`` does through the ``torch.backends`` entry
+point) registers PrivateUse1 as ``"neuron"``, installs ``torch.neuron``, and sizes the
+devices from the NEURON_* environment.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _C  # noqa: F401  (registers allocator, guard, hooks, kernels)
+from . import _state
+
+__version__ = "0.1.0"
+
+
+def _register() -> None:
+    if torch._C._get_privateuse1_backend_name() != "neuron":
+        torch.utils.rename_privateuse1_backend("neuron")
+    from . import neuron as device_module
+    if getattr(torch, "neuron", None) is not device_module:
+        torch._register_device_module("neuron", device_module)
+        torch.utils.generate_methods_for_privateuse1_backend(
+            for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)
+    cfg = _state.config()
+    _C._set_device_count(cfg.device_count)
+    for i in range(cfg.device_count):
+        _C._set_memory_limit(i, cfg.hbm_bytes)
+
+
+_register()
+
+from .cost_model import modelled_time, reset_modelled_time  # noqa: E402
+
+
+def _autoload() -> None:
+    """Entry point of the ``torch.backends`` group: importing the package did the work."""
+
+
+__all__ = ["modelled_time", "reset_modelled_time"]
+
+
+def _quiet_printing() -> None:
+    # Printing formats through float64 reductions on the device; those are ours, not the
+    # user's, so they must not raise the "will not port" warning.
+    import torch._tensor_str as ts
+    if getattr(ts._str, "_neuron_quiet", False):
+        return
+    inner = ts._str
+
+    def _str(self, *, tensor_contents=None):
+        if self.device.type != "neuron":
+            return inner(self, tensor_contents=tensor_contents)
+        prev = _C._quiet()
+        _C._set_quiet(True)
+        try:
+            return inner(self, tensor_contents=tensor_contents)
+        finally:
+            _C._set_quiet(prev)
+
+    _str._neuron_quiet = True
+    ts._str = _str
+
+
+_quiet_printing()

@@ -47,6 +47,8 @@ class ChipProfile:
     # partition approach the queue's peak bandwidth, small rows do not.
     dma_row_overhead_bytes: int = 512
     launch_overhead_ns: float = 2000.0  # host-to-device kernel launch on the runtime
+    host_link_bandwidth: float = 32e9   # bytes/s host<->device (PCIe) per logical core
+    vector_lanes: int = 128             # elements per cycle of VectorE / ScalarE / GpSimd
     # Interconnect.
     neuronlink_bandwidth: float = 1.28e12   # bytes/s per chip
     neuronlink_latency_ns: float = 2000.0

@@ -1,0 +1,376 @@
+// The runtime's device memory: a caching allocator over host memory, per device, with the
+// modelled HBM capacity enforced and CUDA-compatible statistics.
+#include "neuron.h"
+
+#include <c10/util/Exception.h>
+
+#include <array>
+#include <cstdlib>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+#include <unordered_set>
+
+namespace neuron {
+namespace {
+
+using c10::CachingAllocator::Stat;
+using c10::CachingAllocator::StatType;
+using c10::CachingDeviceAllocator::DeviceStats;
+
+constexpr int kMaxDevices = 64;
+constexpr size_t kAlign = 64;
+// Host allocations this large ask the kernel first: overcommit would otherwise hand out
+// memory the machine does not have and the OOM killer would end the process later.
+constexpr size_t kHostCheckBytes = size_t(256) << 20;
+
+// Rounding keeps sizes to a few classes so freed blocks are reused exactly (no splitting):
+// 512 B granules below 1 MiB, then 8 classes per power of two (<= 12.5% slack).
+size_t round_size(size_t n) {
+  if (n == 0) return 0;
+  if (n < (size_t(1) << 20)) return (n + 511) & ~size_t(511);
+  size_t p = size_t(1) << (63 - __builtin_clzll(n));
+  size_t step = p / 8;
+  return (n + step - 1) / step * step;
+}
+
+void update(Stat& s, int64_t delta) {
+  // Only the aggregate slot is tracked: there is one pool.
+  s.current += delta;
+  s.peak = std::max(s.peak, s.current);
+  if (delta > 0) s.allocated += delta; else s.freed += -delta;
+}
+
+size_t host_available_bytes() {
+  std::ifstream f("/proc/meminfo");
+  std::string key; size_t value; std::string unit;
+  while (f >> key >> value >> unit) {
+    if (key == "MemAvailable:") return value * 1024;
+  }
+  return SIZE_MAX;
+}
+
+struct Block {
+  void* ptr;
+  size_t size;       // rounded size
+  size_t requested;
+  c10::DeviceIndex device;
+};
+
+struct Adopted {
+  c10::Storage storage;  // keeps the CPU kernel's buffer alive
+  size_t size;
+  c10::DeviceIndex device;
+};
+
+struct DeviceState {
+  std::unordered_map<size_t, std::vector<void*>> free_blocks;
+  size_t cached_bytes = 0;
+  DeviceStats stats;
+  int64_t limit = 0;
+};
+
+class NeuronAllocator final : public c10::DeviceAllocator {
+ public:
+  c10::DataPtr allocate(size_t n) override {
+    c10::DeviceIndex d = current_device();
+    return allocate_on(n, d);
+  }
+
+  c10::DataPtr allocate_on(size_t n, c10::DeviceIndex d) {
+    check_device(d);
+    size_t size = round_size(n);
+    if (size == 0) return c10::DataPtr(nullptr, nullptr, &free_block, c10::Device(kDevice, d));
+    void* ptr = nullptr;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto& st = state_[d];
+      auto it = st.free_blocks.find(size);
+      if (it != st.free_blocks.end() && !it->second.empty()) {
+        ptr = it->second.back();
+        it->second.pop_back();
+        st.cached_bytes -= size;
+      } else {
+        ptr = fresh_block_locked(st, size, n, d);
+      }
+      update(st.stats.allocated_bytes[0], size);
+      update(st.stats.active_bytes[0], size);
+      update(st.stats.requested_bytes[0], n);
+      update(st.stats.allocation[0], 1);
+      update(st.stats.active[0], 1);
+    }
+    auto* b = new Block{ptr, size, n, d};
+    return c10::DataPtr(ptr, b, &free_block, c10::Device(kDevice, d));
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+
+  void copy_data(void* dst, const void* src, std::size_t count) const override {
+    std::memcpy(dst, src, count);
+  }
+
+  bool initialized() override { return true; }
+
+  void emptyCache(c10::MempoolId_t) override {
+    std::lock_guard<std::mutex> g(mu_);
+    for (int d = 0; d < kMaxDevices; ++d) release_cache_locked(state_[d]);
+  }
+
+  void recordStream(const c10::DataPtr&, c10::Stream) override {
+    // Streams execute in order on the host: a freed block is never in flight.
+  }
+
+  DeviceStats getDeviceStats(c10::DeviceIndex d) override {
+    std::lock_guard<std::mutex> g(mu_);
+    return state_[d].stats;
+  }
+
+  void resetAccumulatedStats(c10::DeviceIndex d) override {
+    std::lock_guard<std::mutex> g(mu_);
+    auto& s = state_[d].stats;
+    for (Stat* stat : {&s.allocation[0], &s.segment[0], &s.active[0], &s.allocated_bytes[0],
+                       &s.reserved_bytes[0], &s.active_bytes[0], &s.requested_bytes[0]}) {
+      stat->allocated = 0;
+      stat->freed = 0;
+    }
+    s.num_alloc_retries = 0;
+    s.num_ooms = 0;
+    s.num_device_alloc = 0;
+    s.num_device_free = 0;
+  }
+
+  void resetPeakStats(c10::DeviceIndex d) override {
+    std::lock_guard<std::mutex> g(mu_);
+    auto& s = state_[d].stats;
+    for (Stat* stat : {&s.allocation[0], &s.segment[0], &s.active[0], &s.allocated_bytes[0],
+                       &s.reserved_bytes[0], &s.active_bytes[0], &s.requested_bytes[0]}) {
+      stat->peak = stat->current;
+    }
+  }
+
+  std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex d) override {
+    std::lock_guard<std::mutex> g(mu_);
+    auto& st = state_[d];
+    int64_t used = st.stats.reserved_bytes[0].current;
+    return {size_t(std::max<int64_t>(0, st.limit - used)), size_t(st.limit)};
+  }
+
+  c10::DataPtr adopt(c10::Storage cpu, c10::DeviceIndex d) {
+    size_t size = cpu.nbytes();
+    void* ptr = cpu.mutable_data();
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto& st = state_[d];
+      if (st.stats.reserved_bytes[0].current + int64_t(size) > st.limit) release_cache_locked(st);
+      if (st.stats.reserved_bytes[0].current + int64_t(size) > st.limit) {
+        st.stats.num_ooms++;
+        raise_oom_locked(st, size, d, "");
+      }
+      update(st.stats.reserved_bytes[0], size);
+      update(st.stats.segment[0], 1);
+      update(st.stats.allocated_bytes[0], size);
+      update(st.stats.active_bytes[0], size);
+      update(st.stats.requested_bytes[0], size);
+      update(st.stats.allocation[0], 1);
+      update(st.stats.active[0], 1);
+    }
+    auto* a = new Adopted{std::move(cpu), size, d};
+    return c10::DataPtr(ptr, a, &free_adopted, c10::Device(kDevice, d));
+  }
+
+  void set_limit(c10::DeviceIndex d, int64_t bytes) {
+    std::lock_guard<std::mutex> g(mu_);
+    state_[d].limit = bytes;
+  }
+  int64_t limit(c10::DeviceIndex d) {
+    std::lock_guard<std::mutex> g(mu_);
+    return state_[d].limit;
+  }
+
+  std::string summary_line(c10::DeviceIndex d) {
+    std::lock_guard<std::mutex> g(mu_);
+    return summary_locked(state_[d], d);
+  }
+
+ private:
+  static void free_block(void* ctx) {
+    if (!ctx) return;
+    auto* b = static_cast<Block*>(ctx);
+    instance().release(b);
+    delete b;
+  }
+
+  static void free_adopted(void* ctx) {
+    auto* a = static_cast<Adopted*>(ctx);
+    {
+      auto& self = instance();
+      std::lock_guard<std::mutex> g(self.mu_);
+      auto& st = self.state_[a->device];
+      update(st.stats.reserved_bytes[0], -int64_t(a->size));
+      update(st.stats.segment[0], -1);
+      update(st.stats.allocated_bytes[0], -int64_t(a->size));
+      update(st.stats.active_bytes[0], -int64_t(a->size));
+      update(st.stats.requested_bytes[0], -int64_t(a->size));
+      update(st.stats.allocation[0], -1);
+      update(st.stats.active[0], -1);
+    }
+    delete a;
+  }
+
+  void release(Block* b) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto& st = state_[b->device];
+    st.free_blocks[b->size].push_back(b->ptr);
+    st.cached_bytes += b->size;
+    update(st.stats.allocated_bytes[0], -int64_t(b->size));
+    update(st.stats.active_bytes[0], -int64_t(b->size));
+    update(st.stats.requested_bytes[0], -int64_t(b->requested));
+    update(st.stats.allocation[0], -1);
+    update(st.stats.active[0], -1);
+  }
+
+  void* fresh_block_locked(DeviceState& st, size_t size, size_t requested, c10::DeviceIndex d) {
+    if (st.stats.reserved_bytes[0].current + int64_t(size) > st.limit) {
+      st.stats.num_alloc_retries++;
+      release_cache_locked(st);
+    }
+    if (st.stats.reserved_bytes[0].current + int64_t(size) > st.limit) {
+      st.stats.num_ooms++;
+      raise_oom_locked(st, requested, d, "");
+    }
+    if (size >= kHostCheckBytes && size > host_available_bytes()) {
+      release_cache_locked(st);
+      if (size > host_available_bytes()) {
+        st.stats.num_ooms++;
+        raise_oom_locked(st, requested, d, " The host running the virtual device has less memory available than requested.");
+      }
+    }
+    void* ptr = std::aligned_alloc(kAlign, (size + kAlign - 1) / kAlign * kAlign);
+    if (!ptr) {
+      release_cache_locked(st);
+      ptr = std::aligned_alloc(kAlign, (size + kAlign - 1) / kAlign * kAlign);
+      if (!ptr) {
+        st.stats.num_ooms++;
+        raise_oom_locked(st, requested, d, " Host allocation failed.");
+      }
+    }
+    st.stats.num_device_alloc++;
+    update(st.stats.reserved_bytes[0], size);
+    update(st.stats.segment[0], 1);
+    return ptr;
+  }
+
+  void release_cache_locked(DeviceState& st) {
+    for (auto& kv : st.free_blocks) {
+      for (void* p : kv.second) {
+        std::free(p);
+        st.stats.num_device_free++;
+        update(st.stats.reserved_bytes[0], -int64_t(kv.first));
+        update(st.stats.segment[0], -1);
+      }
+    }
+    st.free_blocks.clear();
+    st.cached_bytes = 0;
+  }
+
+  static std::string fmt_bytes(int64_t b) {
+    std::ostringstream o;
+    o.precision(2);
+    o << std::fixed;
+    if (b >= (int64_t(1) << 30)) o << double(b) / double(1 << 30) << " GiB";
+    else if (b >= (1 << 20)) o << double(b) / double(1 << 20) << " MiB";
+    else if (b >= (1 << 10)) o << double(b) / double(1 << 10) << " KiB";
+    else o << b << " bytes";
+    return o.str();
+  }
+
+  std::string summary_locked(DeviceState& st, c10::DeviceIndex d) {
+    auto& s = st.stats;
+    std::ostringstream o;
+    o << "neuron:" << int(d) << " memory: " << fmt_bytes(s.allocated_bytes[0].current)
+      << " allocated by PyTorch (peak " << fmt_bytes(s.allocated_bytes[0].peak) << "), "
+      << fmt_bytes(s.reserved_bytes[0].current) << " reserved (peak "
+      << fmt_bytes(s.reserved_bytes[0].peak) << "), " << fmt_bytes(st.cached_bytes)
+      << " cached free, modelled HBM capacity " << fmt_bytes(st.limit) << ", "
+      << s.allocation[0].current << " live allocations, " << s.num_ooms << " OOMs.";
+    return o.str();
+  }
+
+  [[noreturn]] void raise_oom_locked(DeviceState& st, size_t requested, c10::DeviceIndex d,
+                                     const char* extra) {
+    int64_t free_bytes = std::max<int64_t>(0, st.limit - st.stats.reserved_bytes[0].current);
+    TORCH_CHECK_WITH(OutOfMemoryError, false,
+        "Neuron out of memory. Tried to allocate ", fmt_bytes(requested), " on neuron:", int(d),
+        ". The virtual NeuronCore has a modelled HBM capacity of ", fmt_bytes(st.limit), " of which ",
+        fmt_bytes(free_bytes), " is free.", extra, " ", summary_locked(st, d),
+        " See torch.neuron.memory_summary() for details; torch.neuron.empty_cache() releases "
+        "cached blocks.");
+  }
+
+ public:
+  static NeuronAllocator& instance();
+
+ private:
+  std::mutex mu_;
+  std::array<DeviceState, kMaxDevices> state_;
+};
+
+NeuronAllocator g_allocator;
+NeuronAllocator& NeuronAllocator::instance() { return g_allocator; }
+
+// Pinned host memory: ordinary host memory whose pointers are remembered, so
+// `is_pinned()` holds and DataLoader's pin_memory path works.
+class PinnedAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t n) override {
+    void* p = n ? std::aligned_alloc(kAlign, (n + kAlign - 1) / kAlign * kAlign) : nullptr;
+    TORCH_CHECK_WITH(OutOfMemoryError, !n || p, "pinned host allocation of ", n, " bytes failed");
+    if (p) {
+      std::lock_guard<std::mutex> g(mu_);
+      live_.insert(p);
+    }
+    return c10::DataPtr(p, p, &release, c10::Device(c10::DeviceType::CPU));
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
+  void copy_data(void* dst, const void* src, std::size_t count) const override {
+    std::memcpy(dst, src, count);
+  }
+  bool contains(const void* p) {
+    std::lock_guard<std::mutex> g(mu_);
+    return live_.count(const_cast<void*>(p)) > 0;
+  }
+  static void release(void* p);
+
+ private:
+  std::mutex mu_;
+  std::unordered_set<void*> live_;
+  friend void erase_pinned(void*);
+};
+
+PinnedAllocator g_pinned;
+void PinnedAllocator::release(void* p) {
+  if (!p) return;
+  {
+    std::lock_guard<std::mutex> g(g_pinned.mu_);
+    g_pinned.live_.erase(p);
+  }
+  std::free(p);
+}
+
+}  // namespace
+
+c10::DeviceAllocator* allocator() { return &g_allocator; }
+c10::DataPtr allocate_on(size_t n, c10::DeviceIndex d) { return g_allocator.allocate_on(n, d); }
+void set_memory_limit(c10::DeviceIndex d, int64_t bytes) { g_allocator.set_limit(d, bytes); }
+int64_t memory_limit(c10::DeviceIndex d) { return g_allocator.limit(d); }
+c10::DataPtr adopt(c10::Storage cpu_storage, c10::DeviceIndex d) {
+  return g_allocator.adopt(std::move(cpu_storage), d);
+}
+c10::Allocator* pinned_allocator() { return &g_pinned; }
+bool is_pinned(const void* p) { return g_pinned.contains(p); }
+std::string memory_summary_line(c10::DeviceIndex d) { return g_allocator.summary_line(d); }
+
+REGISTER_ALLOCATOR(c10::DeviceType::PrivateUse1, &g_allocator);
+
+}  // namespace neuron

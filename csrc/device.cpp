@@ -1,0 +1,201 @@
+// Device table, device guard (streams and events), hooks and generators: the parts of a
+// device PyTorch asks every backend to provide.
+#include "neuron.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/Exception.h>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <mutex>
+
+namespace neuron {
+
+namespace {
+std::atomic<int> g_device_count{0};
+thread_local c10::DeviceIndex t_current_device = 0;
+}  // namespace
+
+c10::DeviceIndex device_count() { return static_cast<c10::DeviceIndex>(g_device_count.load()); }
+void set_device_count(int n) { g_device_count.store(n); }
+c10::DeviceIndex current_device() { return t_current_device; }
+
+void check_device(c10::DeviceIndex d) {
+  TORCH_CHECK(d >= 0 && d < device_count(), "Invalid device index neuron:", int(d), ": there ",
+              device_count() == 1 ? "is " : "are ", int(device_count()),
+              " visible neuron device(s) (logical NeuronCores; see NEURON_RT_VISIBLE_CORES, "
+              "NEURON_RT_NUM_CORES and NEURON_LOGICAL_NC_CONFIG)");
+}
+
+void set_current_device(c10::DeviceIndex d) {
+  check_device(d);
+  t_current_device = d;
+}
+
+namespace {
+
+// Streams: ids 0 (default) and up per device. Work runs in order on the host, so a stream
+// is always idle when the host looks at it.
+constexpr int kMaxDevices = 64;
+thread_local std::array<c10::StreamId, kMaxDevices> t_current_stream{};
+std::atomic<c10::StreamId> g_next_stream{1};
+
+struct Event {
+  c10::DeviceIndex device = -1;
+  bool recorded = false;
+  double time_ms = 0.0;
+};
+
+double now_ms() {
+  using namespace std::chrono;
+  return duration<double, std::milli>(steady_clock::now().time_since_epoch()).count();
+}
+
+struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
+  c10::DeviceType type() const override { return kDevice; }
+
+  c10::Device exchangeDevice(c10::Device d) const override {
+    auto old = current_device();
+    if (d.index() != old) set_current_device(d.index());
+    return c10::Device(kDevice, old);
+  }
+  c10::Device getDevice() const override { return c10::Device(kDevice, current_device()); }
+  void setDevice(c10::Device d) const override { set_current_device(d.index()); }
+  void uncheckedSetDevice(c10::Device d) const noexcept override {
+    if (d.index() >= 0 && d.index() < device_count()) t_current_device = d.index();
+  }
+  c10::Stream getStream(c10::Device d) const noexcept override {
+    auto idx = d.index() < 0 ? current_device() : d.index();
+    return c10::Stream(c10::Stream::UNSAFE, c10::Device(kDevice, idx), t_current_stream[idx]);
+  }
+  c10::Stream getDefaultStream(c10::Device d) const override {
+    return c10::Stream(c10::Stream::UNSAFE, d, 0);
+  }
+  c10::Stream getNewStream(c10::Device d, int priority = 0) const override {
+    (void)priority;
+    return c10::Stream(c10::Stream::UNSAFE, d, g_next_stream.fetch_add(1));
+  }
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool isHighPriority = false) const override {
+    (void)isHighPriority;
+    return getNewStream(d);
+  }
+  c10::Stream exchangeStream(c10::Stream s) const noexcept override {
+    auto idx = s.device_index();
+    auto old = c10::Stream(c10::Stream::UNSAFE, s.device(), t_current_stream[idx]);
+    t_current_stream[idx] = s.id();
+    return old;
+  }
+  c10::DeviceIndex deviceCount() const noexcept override { return device_count(); }
+
+  void record(void** event, const c10::Stream& stream, const c10::DeviceIndex device_index,
+              const c10::EventFlag) const override {
+    if (!*event) *event = new Event();
+    auto* e = static_cast<Event*>(*event);
+    TORCH_CHECK(e->device == -1 || e->device == stream.device_index(), "Event device neuron:",
+                int(e->device), " does not match recording stream's device neuron:",
+                int(stream.device_index()));
+    (void)device_index;
+    e->device = stream.device_index();
+    e->recorded = true;
+    e->time_ms = now_ms();
+  }
+  void block(void* event, const c10::Stream&) const override { (void)event; }
+  bool queryEvent(void* event) const override { (void)event; return true; }
+  void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override {
+    delete static_cast<Event*>(event);
+  }
+  bool queryStream(const c10::Stream&) const override { return true; }
+  void synchronizeStream(const c10::Stream&) const override {}
+  void synchronizeEvent(void*) const override {}
+  void synchronizeDevice(const c10::DeviceIndex) const override {}
+  void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream&) const override {}
+  double elapsedTime(void* start, void* end, const c10::DeviceIndex) const override {
+    auto* a = static_cast<Event*>(start);
+    auto* b = static_cast<Event*>(end);
+    TORCH_CHECK(a && b && a->recorded && b->recorded,
+                "elapsed_time: both events must be recorded before measuring elapsed time");
+    return b->time_ms - a->time_ms;
+  }
+};
+
+C10_REGISTER_GUARD_IMPL(PrivateUse1, NeuronGuardImpl);
+
+// A generator is CPU's Mersenne Twister tagged with the neuron device, so a seed gives the
+// same sequence as on CPU.
+class NeuronGeneratorImpl : public at::CPUGeneratorImpl {
+ public:
+  explicit NeuronGeneratorImpl(c10::DeviceIndex d) {
+    device_ = c10::Device(kDevice, d);
+    key_set_ = c10::DispatchKeySet(c10::DispatchKey::PrivateUse1);
+  }
+};
+
+std::mutex g_gen_mu;
+std::deque<at::Generator> g_default_generators;
+
+struct NeuronHooks final : public at::PrivateUse1HooksInterface {
+  bool isBuilt() const override { return true; }
+  bool isAvailable() const override { return device_count() > 0; }
+  bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
+  c10::DeviceIndex deviceCount() const override { return device_count(); }
+  void setCurrentDevice(c10::DeviceIndex d) const override { set_current_device(d); }
+  c10::DeviceIndex getCurrentDevice() const override { return current_device(); }
+  c10::DeviceIndex exchangeDevice(c10::DeviceIndex d) const override {
+    auto old = current_device();
+    set_current_device(d);
+    return old;
+  }
+  c10::DeviceIndex maybeExchangeDevice(c10::DeviceIndex d) const override {
+    if (d < 0 || d >= device_count()) return current_device();
+    return exchangeDevice(d);
+  }
+  const at::Generator& getDefaultGenerator(c10::DeviceIndex d) const override {
+    return default_generator(d);
+  }
+  at::Generator getNewGenerator(c10::DeviceIndex d) const override { return new_generator(d); }
+  at::Device getDeviceFromPtr(void*) const override {
+    return at::Device(kDevice, current_device());
+  }
+  bool isPinnedPtr(const void* data) const override { return is_pinned(data); }
+  at::Allocator* getPinnedMemoryAllocator() const override { return pinned_allocator(); }
+  void resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const override {
+    auto* impl = storage.unsafeGetStorageImpl();
+    c10::DeviceIndex d = impl->data_ptr().device().index();
+    c10::DataPtr fresh = allocate_on(newsize, d);
+    size_t keep = std::min(newsize, impl->nbytes());
+    if (keep && impl->data()) std::memcpy(fresh.get(), impl->data(), keep);
+    impl->set_data_ptr_noswap(std::move(fresh));
+    impl->set_nbytes(newsize);
+  }
+};
+
+bool g_hooks_registered = [] {
+  at::RegisterPrivateUse1HooksInterface(new NeuronHooks());
+  return true;
+}();
+
+}  // namespace
+
+const at::Generator& default_generator(c10::DeviceIndex d) {
+  if (d < 0) d = current_device();
+  check_device(d);
+  std::lock_guard<std::mutex> g(g_gen_mu);
+  while (static_cast<int>(g_default_generators.size()) <= d) {
+    auto gen = at::make_generator<NeuronGeneratorImpl>(
+        static_cast<c10::DeviceIndex>(g_default_generators.size()));
+    gen.set_current_seed(c10::default_rng_seed_val);
+    g_default_generators.push_back(std::move(gen));
+  }
+  return g_default_generators[d];
+}
+
+at::Generator new_generator(c10::DeviceIndex d) {
+  if (d < 0) d = current_device();
+  return at::make_generator<NeuronGeneratorImpl>(d);
+}
+
+}  // namespace neuron

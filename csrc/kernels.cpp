@@ -1,0 +1,634 @@
+// The kernels PyTorch cannot derive for a new device (allocation, copies, metadata, conv
+// entry points) and one boxed fallback that runs every other op's CPU kernel on zero-copy
+// aliases of device memory: device memory is host memory, so no data moves.
+#include "neuron.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/view_native.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <mutex>
+#include <set>
+#include <unordered_map>
+
+namespace neuron {
+
+at::Tensor cpu_alias(const at::Tensor& t) {
+  const auto& st = t.storage();
+  // Resizable with the CPU allocator: an `out=` kernel may grow it; the fallback then moves
+  // the grown buffer back into device ownership.
+  c10::Storage s(c10::Storage::use_byte_size_t(), st.nbytes(),
+                 c10::DataPtr(const_cast<void*>(st.data()), c10::Device(c10::kCPU)),
+                 c10::GetAllocator(c10::kCPU), /*resizable=*/true);
+  auto out = at::detail::make_tensor<c10::TensorImpl>(
+      std::move(s), c10::DispatchKeySet(c10::DispatchKey::CPU), t.dtype());
+  out.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+  if (t.is_conj()) out._set_conj(true);
+  if (t.is_neg()) out._set_neg(true);
+  return out;
+}
+
+namespace {
+
+at::Tensor wrap(c10::Storage storage, const at::Tensor& like) {
+  auto out = at::detail::make_tensor<c10::TensorImpl>(
+      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), like.dtype());
+  out.unsafeGetTensorImpl()->set_sizes_and_strides(like.sizes(), like.strides(),
+                                                   like.storage_offset());
+  if (like.is_conj()) out._set_conj(true);
+  if (like.is_neg()) out._set_neg(true);
+  return out;
+}
+
+}  // namespace
+
+at::Tensor adopt_tensor(const at::Tensor& cpu, c10::DeviceIndex d) {
+  TORCH_CHECK(cpu.layout() == c10::kStrided,
+              "neuron: a kernel produced a tensor with layout ", cpu.layout(),
+              ", which the neuron device does not support");
+  c10::Storage st(c10::Storage::use_byte_size_t(), cpu.storage().nbytes(),
+                  adopt(cpu.storage(), d), allocator(), /*resizable=*/true);
+  return wrap(std::move(st), cpu);
+}
+
+// ---------------------------------------------------------------------------------------
+// Op record for the cost model: counts per (op, device, dtype, input shapes).
+namespace {
+
+struct RecordKey {
+  const char* name;
+  int8_t device;
+  int8_t dtype;
+  uint8_t len;
+  std::array<int64_t, 16> sig;
+  bool operator==(const RecordKey& o) const {
+    return name == o.name && device == o.device && dtype == o.dtype && len == o.len &&
+           std::equal(sig.begin(), sig.begin() + len, o.sig.begin());
+  }
+};
+struct RecordKeyHash {
+  size_t operator()(const RecordKey& k) const {
+    size_t h = std::hash<const void*>()(k.name) ^ (size_t(k.device) << 8) ^ (size_t(k.dtype) << 16);
+    for (int i = 0; i < k.len; ++i) h = h * 1000003u ^ std::hash<int64_t>()(k.sig[i]);
+    return h;
+  }
+};
+struct RecordValue {
+  int64_t count = 0;
+  int64_t bytes_in = 0;
+  int64_t bytes_out = 0;
+};
+
+std::mutex g_record_mu;
+std::unordered_map<RecordKey, RecordValue, RecordKeyHash> g_records;
+bool g_recording = true;
+// Set while printing: tensor printing computes in float64 internally, not the user.
+thread_local bool t_quiet = false;
+
+// Shapes of the first few tensors, each as [ndim, sizes...].
+struct Signature {
+  RecordKey key{};
+  int tensors = 0;
+  void add(const at::Tensor& t) {
+    if (tensors == 3) return;
+    int nd = t.dim();
+    if (key.len + 1 + nd > 16) return;
+    key.sig[key.len++] = nd;
+    for (int i = 0; i < nd; ++i) key.sig[key.len++] = t.size(i);
+    ++tensors;
+  }
+};
+
+void commit(Signature& s, const char* name, c10::DeviceIndex d, c10::ScalarType dtype,
+            int64_t bytes_in, int64_t bytes_out) {
+  s.key.name = name;
+  s.key.device = static_cast<int8_t>(d);
+  s.key.dtype = static_cast<int8_t>(dtype);
+  std::lock_guard<std::mutex> g(g_record_mu);
+  auto& v = g_records[s.key];
+  v.count += 1;
+  v.bytes_in += bytes_in;
+  v.bytes_out += bytes_out;
+}
+
+int64_t nbytes(const at::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; }
+
+}  // namespace
+
+bool recording() { return g_recording; }
+void set_quiet(bool on) { t_quiet = on; }
+bool quiet() { return t_quiet; }
+void set_recording(bool on) { g_recording = on; }
+
+void record_op(const char* name, c10::DeviceIndex d, c10::ScalarType dtype,
+               const std::vector<int64_t>& signature, int64_t bytes_in, int64_t bytes_out) {
+  Signature s;
+  for (size_t i = 0; i < signature.size() && i < 16; ++i) s.key.sig[s.key.len++] = signature[i];
+  commit(s, name, d, dtype, bytes_in, bytes_out);
+}
+
+std::vector<std::tuple<std::string, int, int, std::vector<int64_t>, int64_t, int64_t, int64_t>>
+drain_records() {
+  std::unordered_map<RecordKey, RecordValue, RecordKeyHash> taken;
+  {
+    std::lock_guard<std::mutex> g(g_record_mu);
+    taken.swap(g_records);
+  }
+  std::vector<std::tuple<std::string, int, int, std::vector<int64_t>, int64_t, int64_t, int64_t>> out;
+  out.reserve(taken.size());
+  for (auto& kv : taken) {
+    const auto& k = kv.first;
+    out.emplace_back(std::string(k.name), int(k.device), int(k.dtype),
+                     std::vector<int64_t>(k.sig.begin(), k.sig.begin() + k.len), kv.second.count,
+                     kv.second.bytes_in, kv.second.bytes_out);
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
+namespace {
+
+// Dtypes Trainium has no engine support for: they run here, and warn once per op.
+bool unportable(c10::ScalarType t) {
+  return t == c10::kDouble || t == c10::kComplexFloat || t == c10::kComplexDouble ||
+         t == c10::kComplexHalf;
+}
+
+std::mutex g_warn_mu;
+std::set<std::pair<const void*, int>> g_warned;
+
+void warn_unportable(const c10::OperatorHandle& op, c10::ScalarType t) {
+  if (t_quiet) return;
+  auto key = std::make_pair(static_cast<const void*>(&op.operator_name()), int(t));
+  {
+    std::lock_guard<std::mutex> g(g_warn_mu);
+    if (!g_warned.insert(key).second) return;
+  }
+  TORCH_WARN("neuron: ", op.operator_name(), " ran on ", t,
+             ", which Trainium's engines do not support; it runs on the virtual NeuronCore "
+             "but will not port to the chip as is (warned once per op and dtype).");
+}
+
+c10::DeviceIndex resolve(c10::optional<c10::Device> device) {
+  c10::DeviceIndex d = (device && device->has_index()) ? device->index() : current_device();
+  check_device(d);
+  return d;
+}
+
+struct CurrentDevice {
+  c10::DeviceIndex prev;
+  explicit CurrentDevice(c10::DeviceIndex d) : prev(current_device()) {
+    if (d != prev) set_current_device(d);
+  }
+  ~CurrentDevice() {
+    if (current_device() != prev) set_current_device(prev);
+  }
+};
+
+at::Tensor empty_memory_format(c10::IntArrayRef size, c10::optional<c10::ScalarType> dtype,
+                               c10::optional<c10::Layout> layout,
+                               c10::optional<c10::Device> device, c10::optional<bool> pin_memory,
+                               c10::optional<c10::MemoryFormat> memory_format) {
+  TORCH_CHECK(!layout || *layout == c10::kStrided, "neuron: empty() does not support layout ",
+              *layout, " on the neuron device");
+  (void)pin_memory;
+  auto d = resolve(device);
+  CurrentDevice g(d);
+  return at::detail::empty_generic(size, allocator(),
+                                   c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                   c10::dtype_or_default(dtype), memory_format);
+}
+
+at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
+                         c10::optional<c10::ScalarType> dtype, c10::optional<c10::Layout> layout,
+                         c10::optional<c10::Device> device, c10::optional<bool> pin_memory) {
+  TORCH_CHECK(!layout || *layout == c10::kStrided,
+              "neuron: empty_strided() does not support layout ", *layout);
+  (void)pin_memory;
+  auto d = resolve(device);
+  CurrentDevice g(d);
+  return at::detail::empty_strided_generic(size, stride, allocator(),
+                                           c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                           c10::dtype_or_default(dtype));
+}
+
+at::Tensor host_side(const at::Tensor& t, const char* role) {
+  if (t.device().type() == kDevice) return cpu_alias(t);
+  TORCH_CHECK(t.device().is_cpu(), "neuron: copy_ between ", t.device(),
+              " and a neuron tensor is not supported (", role, " is on ", t.device(), ")");
+  return t;
+}
+
+at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  (void)non_blocking;
+  at::Tensor src_h = host_side(self, "source");
+  at::Tensor dst_h = host_side(dst, "destination");
+  dst_h.copy_(src_h);
+  if (g_recording) {
+    Signature s;
+    s.add(dst);
+    const char* kind = self.device().type() == kDevice
+                           ? (dst.device().type() == kDevice ? "neuron::copy_d2d" : "neuron::copy_d2h")
+                           : "neuron::copy_h2d";
+    auto d = dst.device().type() == kDevice ? dst.device().index() : self.device().index();
+    commit(s, kind, d, dst.scalar_type(), nbytes(self), nbytes(dst));
+  }
+  return dst;
+}
+
+void resize_bytes(const at::Tensor& self, size_t needed) {
+  auto* st = self.storage().unsafeGetStorageImpl();
+  if (needed <= st->nbytes()) return;
+  TORCH_CHECK(st->resizable(), "neuron: trying to resize storage that is not resizable");
+  at::detail::getPrivateUse1Hooks().resizePrivateUse1Bytes(self.storage(), needed);
+}
+
+const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
+                          c10::optional<c10::MemoryFormat> memory_format) {
+  auto* impl = self.unsafeGetTensorImpl();
+  impl->set_sizes_contiguous(size);
+  if (memory_format && *memory_format != c10::MemoryFormat::Preserve) {
+    impl->empty_tensor_restride(*memory_format);
+  }
+  size_t needed = at::detail::computeStorageNbytes(size, impl->strides(), self.element_size(),
+                                                   impl->storage_offset());
+  resize_bytes(self, needed);
+  return self;
+}
+
+at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
+  resize_(dst, self.sizes(), c10::nullopt);
+  return copy_from(self, dst, false);
+}
+
+at::Tensor& set_storage_offset(at::Tensor& self, c10::Storage source, int64_t offset,
+                               c10::IntArrayRef size, c10::IntArrayRef stride) {
+  auto* impl = self.unsafeGetTensorImpl();
+  impl->set_storage_keep_dtype(std::move(source));
+  c10::optional<c10::IntArrayRef> st = stride.empty() ? c10::nullopt
+                                                      : c10::optional<c10::IntArrayRef>(stride);
+  impl->set_sizes_and_strides(size, st ? *st : c10::IntArrayRef(c10::contiguous_strides(size)),
+                              offset);
+  size_t needed = at::detail::computeStorageNbytes(size, impl->strides(), self.element_size(),
+                                                   offset);
+  resize_bytes(self, needed);
+  return self;
+}
+
+at::Tensor& set_storage(at::Tensor& self, c10::Storage source) {
+  int64_t n = static_cast<int64_t>(source.nbytes() / self.element_size());
+  return set_storage_offset(self, std::move(source), 0, {n}, {});
+}
+
+at::Tensor& set_tensor(at::Tensor& self, const at::Tensor& source) {
+  if (!self.is_same(source)) {
+    set_storage_offset(self, source.storage(), source.storage_offset(), source.sizes(),
+                       source.strides());
+  }
+  return self;
+}
+
+at::Tensor& set_empty(at::Tensor& self) {
+  c10::Storage st(c10::Storage::use_byte_size_t(), 0,
+                  allocate_on(0, self.device().index()), allocator(), true);
+  return set_storage_offset(self, std::move(st), 0, {0}, {});
+}
+
+void record_stream(at::Tensor& self, c10::Stream stream) {
+  allocator()->recordStream(self.storage().data_ptr(), stream);
+}
+
+c10::optional<at::Tensor> alias_opt(const c10::optional<at::Tensor>& t) {
+  if (!t || !t->defined()) return t;
+  return cpu_alias(*t);
+}
+
+at::Tensor adopt_opt(const at::Tensor& t, c10::DeviceIndex d) {
+  return t.defined() ? adopt_tensor(t, d) : t;
+}
+
+at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& weight,
+                                    const c10::optional<at::Tensor>& bias, c10::IntArrayRef stride,
+                                    c10::IntArrayRef padding, c10::IntArrayRef dilation,
+                                    bool transposed, c10::IntArrayRef output_padding,
+                                    int64_t groups) {
+  auto out = at::convolution(cpu_alias(input), cpu_alias(weight), alias_opt(bias), stride,
+                             padding, dilation, transposed, output_padding, groups);
+  if (g_recording) {
+    Signature s;
+    s.add(input);
+    s.add(weight);
+    s.add(out);
+    commit(s, "aten::convolution", input.device().index(), input.scalar_type(),
+           nbytes(input) + nbytes(weight), nbytes(out));
+  }
+  return adopt_tensor(out, input.device().index());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
+    c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation, bool transposed,
+    c10::IntArrayRef output_padding, int64_t groups, std::array<bool, 3> output_mask) {
+  std::vector<int64_t> bias_sizes{transposed ? weight.size(1) * groups : weight.size(0)};
+  auto [gi, gw, gb] = at::convolution_backward(
+      cpu_alias(grad_output), cpu_alias(input), cpu_alias(weight), bias_sizes, stride, padding,
+      dilation, transposed, output_padding, groups, output_mask);
+  auto d = input.device().index();
+  if (g_recording) {
+    Signature s;
+    s.add(grad_output);
+    s.add(input);
+    s.add(weight);
+    commit(s, "aten::convolution_backward", d, input.scalar_type(),
+           nbytes(grad_output) + nbytes(input) + nbytes(weight), nbytes(gi) + nbytes(gw));
+  }
+  return {adopt_opt(gi, d), adopt_opt(gw, d), adopt_opt(gb, d)};
+}
+
+// ---------------------------------------------------------------------------------------
+// The boxed fallback.
+
+bool is_device_tensor(const c10::IValue& v) {
+  return v.isTensor() && v.toTensor().defined() && v.toTensor().device().type() == kDevice;
+}
+
+bool is_generator_arg(const c10::Argument& a) {
+  auto opt = a.type()->castRaw<c10::OptionalType>();
+  return opt && opt->getElementType()->kind() == c10::TypeKind::GeneratorType;
+}
+
+struct Context {
+  c10::DeviceIndex device = -1;
+  std::string cpu_arg;          // name of a CPU tensor argument, for the mixed-device error
+  c10::DeviceIndex other = -1;  // a second neuron device, for the mixed-device error
+  Signature sig;
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  int64_t bytes_in = 0;
+  // Inputs' alias storages, so outputs that alias an input map back to device memory.
+  c10::SmallVector<std::pair<const c10::StorageImpl*, c10::Storage>, 8> storages;
+  c10::SmallVector<std::pair<at::Tensor, at::Tensor>, 4> mutated;  // (device, alias)
+
+  at::Tensor to_host(const at::Tensor& t, bool mutable_arg) {
+    auto d = t.device().index();
+    if (device == -1) device = d;
+    else if (d != device) other = d;
+    at::Tensor a = cpu_alias(t);
+    storages.emplace_back(a.storage().unsafeGetStorageImpl(), t.storage());
+    if (mutable_arg) mutated.emplace_back(t, a);
+    if (dtype == c10::ScalarType::Undefined) dtype = t.scalar_type();
+    sig.add(t);
+    bytes_in += nbytes(t);
+    return a;
+  }
+};
+
+// An `out=` kernel may have resized its output: give the device tensor the new shape, and
+// take over the kernel's new buffer if it had to grow.
+void sync_resized(const at::Tensor& dev, const at::Tensor& host, c10::DeviceIndex d) {
+  auto* impl = dev.unsafeGetTensorImpl();
+  if (host.storage().data() != dev.storage().data()) {
+    auto* st = dev.storage().unsafeGetStorageImpl();
+    size_t n = host.storage().nbytes();
+    st->set_data_ptr_noswap(adopt(host.storage(), d));
+    st->set_nbytes(n);
+  }
+  if (host.sizes() != dev.sizes() || host.strides() != dev.strides() ||
+      host.storage_offset() != dev.storage_offset()) {
+    impl->set_sizes_and_strides(host.sizes(), host.strides(), host.storage_offset());
+  }
+}
+
+at::Tensor to_device(const at::Tensor& t, Context& ctx,
+                     c10::SmallVector<std::pair<const c10::StorageImpl*, c10::Storage>, 8>& fresh) {
+  if (!t.defined() || t.device().type() != c10::kCPU) return t;
+  const auto* key = t.storage().unsafeGetStorageImpl();
+  for (auto& [k, st] : ctx.storages) {
+    if (k == key) return wrap(st, t);
+  }
+  for (auto& [k, st] : fresh) {
+    if (k == key) return wrap(st, t);
+  }
+  auto out = adopt_tensor(t, ctx.device);
+  fresh.emplace_back(key, out.storage());
+  return out;
+}
+
+void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const auto& args = schema.arguments();
+  const auto& rets = schema.returns();
+
+  // View ops: CPU's kernel only rewrites metadata and keeps the input's storage and keys.
+  for (const auto& r : rets) {
+    if (r.alias_info() && !r.alias_info()->isWrite()) {
+      op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+      return;
+    }
+  }
+
+  const size_t n = args.size();
+  const size_t base = stack->size() - n;
+  Context ctx;
+  c10::SmallVector<std::pair<size_t, c10::IValue>, 2> originals;  // mutable args as passed
+  int gen_slot = -1;
+  at::Generator gen_dev;
+
+  for (size_t i = 0; i < n; ++i) {
+    c10::IValue& iv = (*stack)[base + i];
+    const auto* alias = args[i].alias_info();
+    bool mut = alias && alias->isWrite();
+    if (iv.isTensor()) {
+      const at::Tensor& t = iv.toTensor();
+      if (!t.defined()) continue;
+      if (t.device().type() == kDevice) {
+        if (mut) originals.emplace_back(i, iv);
+        iv = ctx.to_host(t, mut);
+      } else if (t.device().is_cpu() && t.dim() > 0 && ctx.cpu_arg.empty()) {
+        ctx.cpu_arg = args[i].name();
+      }
+    } else if (iv.isList()) {
+      auto list = iv.toList();
+      bool any = false;
+      for (size_t k = 0; k < list.size(); ++k) {
+        if (is_device_tensor(list.get(k))) { any = true; break; }
+      }
+      if (!any) continue;
+      if (mut) originals.emplace_back(i, iv);
+      auto copy = list.copy();
+      for (size_t k = 0; k < copy.size(); ++k) {
+        c10::IValue e = copy.get(k);
+        if (is_device_tensor(e)) copy.set(k, ctx.to_host(e.toTensor(), mut));
+      }
+      iv = std::move(copy);
+    } else if (iv.isDevice()) {
+      auto d = iv.toDevice();
+      if (d.type() == kDevice) {
+        auto idx = resolve(d);
+        if (ctx.device == -1) ctx.device = idx;
+        iv = c10::Device(c10::kCPU);
+      }
+    } else if (iv.isGenerator()) {
+      auto g = iv.toGenerator();
+      if (g.device().type() == kDevice) {
+        gen_slot = static_cast<int>(i);
+        gen_dev = g;
+      }
+    } else if (iv.isNone() && is_generator_arg(args[i])) {
+      gen_slot = static_cast<int>(i);
+    }
+  }
+
+  if (ctx.other != -1) {
+    TORCH_CHECK(false, "Expected all tensors to be on the same device, but found at least two "
+                "devices, neuron:", int(ctx.device), " and neuron:", int(ctx.other),
+                "! (when checking arguments of ", schema.operator_name(), ")");
+  }
+  if (!ctx.cpu_arg.empty() && ctx.device != -1) {
+    TORCH_CHECK(false, "Expected all tensors to be on the same device, but found at least two "
+                "devices, neuron:", int(ctx.device), " and cpu! (when checking argument '",
+                ctx.cpu_arg, "' of ", schema.operator_name(), ")");
+  }
+  if (ctx.device == -1) ctx.device = current_device();
+
+  // Random ops draw from the device's generator through a CPU generator carrying its state.
+  std::unique_lock<std::mutex> gen_lock;
+  at::Generator gen_host;
+  if (gen_slot >= 0) {
+    if (!gen_dev.defined()) gen_dev = default_generator(ctx.device);
+    gen_lock = std::unique_lock<std::mutex>(gen_dev.mutex());
+    auto* src = gen_dev.get<at::CPUGeneratorImpl>();
+    gen_host = at::make_generator<at::CPUGeneratorImpl>();
+    auto* dst = gen_host.get<at::CPUGeneratorImpl>();
+    dst->set_engine(src->engine());
+    dst->set_next_float_normal_sample(src->next_float_normal_sample());
+    dst->set_next_double_normal_sample(src->next_double_normal_sample());
+    (*stack)[base + gen_slot] = c10::IValue(gen_host);
+  }
+
+  try {
+    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+  } catch (c10::NotImplementedError& e) {
+    TORCH_CHECK_NOT_IMPLEMENTED(false, "The operator '", schema.operator_name(),
+                                "' is not available on the neuron device: the virtual "
+                                "NeuronCore runs CPU kernels and CPU has none for these "
+                                "arguments. ", e.what_without_backtrace());
+  }
+
+  if (gen_slot >= 0) {
+    auto* src = gen_host.get<at::CPUGeneratorImpl>();
+    auto* dst = gen_dev.get<at::CPUGeneratorImpl>();
+    dst->set_engine(src->engine());
+    dst->set_next_float_normal_sample(src->next_float_normal_sample());
+    dst->set_next_double_normal_sample(src->next_double_normal_sample());
+    gen_lock.unlock();
+  }
+
+  for (auto& [dev, host] : ctx.mutated) sync_resized(dev, host, ctx.device);
+
+  const size_t r0 = stack->size() - rets.size();
+  c10::SmallVector<std::pair<const c10::StorageImpl*, c10::Storage>, 8> fresh;
+  int64_t bytes_out = 0;
+  c10::ScalarType out_dtype = c10::ScalarType::Undefined;
+  for (size_t j = 0; j < rets.size(); ++j) {
+    c10::IValue& iv = (*stack)[r0 + j];
+    const auto* alias = rets[j].alias_info();
+    if (alias && alias->isWrite()) {
+      for (auto& [i, orig] : originals) {
+        if (args[i].alias_info()->beforeSets() == alias->beforeSets()) {
+          iv = orig;
+          break;
+        }
+      }
+      if (iv.isTensor()) bytes_out += nbytes(iv.toTensor());
+      continue;
+    }
+    if (iv.isTensor()) {
+      const auto& t = iv.toTensor();
+      if (t.defined() && out_dtype == c10::ScalarType::Undefined) out_dtype = t.scalar_type();
+      bytes_out += nbytes(t);
+      iv = to_device(t, ctx, fresh);
+    } else if (iv.isTensorList()) {
+      auto list = iv.toTensorList();
+      c10::List<at::Tensor> out;
+      out.reserve(list.size());
+      for (size_t k = 0; k < list.size(); ++k) {
+        at::Tensor t = list.get(k);
+        bytes_out += nbytes(t);
+        out.push_back(to_device(t, ctx, fresh));
+      }
+      iv = std::move(out);
+    }
+  }
+
+  c10::ScalarType dtype = ctx.dtype != c10::ScalarType::Undefined ? ctx.dtype : out_dtype;
+  if (dtype != c10::ScalarType::Undefined && unportable(dtype)) warn_unportable(op, dtype);
+  if (g_recording) {
+    commit(ctx.sig, schema.operator_name().name.c_str(), ctx.device,
+           dtype == c10::ScalarType::Undefined ? c10::kFloat : dtype, ctx.bytes_in, bytes_out);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
+}
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("empty.memory_format", TORCH_FN(empty_memory_format));
+  m.impl("empty_strided", TORCH_FN(empty_strided));
+  m.impl("_copy_from", TORCH_FN(copy_from));
+  m.impl("_copy_from_and_resize", TORCH_FN(copy_from_and_resize));
+  m.impl("resize_", TORCH_FN(resize_));
+  m.impl("set_.source_Storage", TORCH_FN(set_storage));
+  m.impl("set_.source_Storage_storage_offset", TORCH_FN(set_storage_offset));
+  m.impl("set_.source_Tensor", TORCH_FN(set_tensor));
+  m.impl("set_", TORCH_FN(set_empty));
+  m.impl("view", TORCH_FN(at::native::view));
+  m.impl("as_strided", TORCH_FN(at::native::as_strided_tensorimpl));
+  m.impl("_reshape_alias", TORCH_FN(at::native::_reshape_alias));
+  m.impl("record_stream", TORCH_FN(record_stream));
+  m.impl("convolution_overrideable", TORCH_FN(convolution_overrideable));
+  m.impl("convolution_backward_overrideable", TORCH_FN(convolution_backward_overrideable));
+}
+
+// Autocast: CUDA's op policy, on the neuron dispatch key.
+TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFallthrough());
+}
+
+namespace autocast_policy {
+using namespace at::autocast;
+using at::Tensor;
+using c10::IntArrayRef;
+using c10::Scalar;
+using c10::ScalarType;
+using c10::SymInt;
+using c10::SymIntArrayRef;
+using std::optional;
+
+TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
+#define _NEURON_LOW(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, lower_precision_fp)
+#define _NEURON_FP32(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32)
+#define _NEURON_FP32_OPT(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32_set_opt_dtype)
+#define _NEURON_PROMOTE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, promote)
+  AT_FORALL_LOWER_PRECISION_FP(_NEURON_LOW)
+  AT_FORALL_FP32(_NEURON_FP32)
+  AT_FORALL_FP32_SET_OPT_DTYPE(_NEURON_FP32_OPT)
+  AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE(KERNEL_DIFFERENT_REDISPATCH_SIGNATURE_PRIVATEUSEONE)
+  AT_FORALL_PROMOTE(_NEURON_PROMOTE)
+#undef _NEURON_LOW
+#undef _NEURON_FP32
+#undef _NEURON_FP32_OPT
+#undef _NEURON_PROMOTE
+}
+}  // namespace autocast_policy
+
+}  // namespace neuron

@@ -1,0 +1,36 @@
+// Python bindings of the runtime glue: device table, memory limits and op records.
+#include "neuron.h"
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/Generator.h>
+
+namespace neuron {
+void set_recording(bool on);
+void set_quiet(bool on);
+bool quiet();
+std::vector<std::tuple<std::string, int, int, std::vector<int64_t>, int64_t, int64_t, int64_t>>
+drain_records();
+}  // namespace neuron
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("_set_device_count", &neuron::set_device_count);
+  m.def("_device_count", [] { return int(neuron::device_count()); });
+  m.def("_current_device", [] { return int(neuron::current_device()); });
+  m.def("_set_device", [](int d) { neuron::set_current_device(static_cast<c10::DeviceIndex>(d)); });
+  m.def("_set_memory_limit", [](int d, int64_t bytes) {
+    neuron::set_memory_limit(static_cast<c10::DeviceIndex>(d), bytes);
+  });
+  m.def("_memory_limit", [](int d) { return neuron::memory_limit(static_cast<c10::DeviceIndex>(d)); });
+  m.def("_memory_summary_line", [](int d) {
+    return neuron::memory_summary_line(static_cast<c10::DeviceIndex>(d));
+  });
+  m.def("_default_generator", [](int d) {
+    return pybind11::reinterpret_steal<pybind11::object>(
+        THPGenerator_initDefaultGenerator(neuron::default_generator(static_cast<c10::DeviceIndex>(d))));
+  });
+  m.def("_set_quiet", &neuron::set_quiet);
+  m.def("_quiet", &neuron::quiet);
+  m.def("_set_recording", &neuron::set_recording);
+  m.def("_drain_op_records", &neuron::drain_records);
+}

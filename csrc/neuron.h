@@ -1,0 +1,47 @@
+// Shared declarations of the neuron runtime glue: the device table, the caching allocator
+// over host memory, and the op record the cost model reads.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/core/CachingDeviceAllocator.h>
+
+#include <string>
+#include <vector>
+
+namespace neuron {
+
+constexpr c10::DeviceType kDevice = c10::DeviceType::PrivateUse1;
+
+// Devices (configured once from Python, which reads the NEURON_* environment).
+c10::DeviceIndex device_count();
+void set_device_count(int n);
+c10::DeviceIndex current_device();
+void set_current_device(c10::DeviceIndex d);
+void check_device(c10::DeviceIndex d);  // clear error for an index out of range
+
+// The caching allocator.
+c10::DeviceAllocator* allocator();
+c10::DataPtr allocate_on(size_t n, c10::DeviceIndex d);
+void set_memory_limit(c10::DeviceIndex d, int64_t bytes);
+int64_t memory_limit(c10::DeviceIndex d);
+// Take ownership of host memory a CPU kernel produced, as device memory of `d`.
+c10::DataPtr adopt(c10::Storage cpu_storage, c10::DeviceIndex d);
+c10::Allocator* pinned_allocator();
+bool is_pinned(const void* p);
+std::string memory_summary_line(c10::DeviceIndex d);
+
+// Op record for the modelled-time cost model: one entry per (op, device, dtype, shapes).
+void record_op(const char* name, c10::DeviceIndex d, c10::ScalarType dtype,
+               const std::vector<int64_t>& signature, int64_t bytes_in, int64_t bytes_out);
+bool recording();
+
+// Generators.
+const at::Generator& default_generator(c10::DeviceIndex d);
+at::Generator new_generator(c10::DeviceIndex d);
+
+// Zero-copy CPU view of a device tensor.
+at::Tensor cpu_alias(const at::Tensor& t);
+// Device tensor over the memory of a fresh CPU tensor.
+at::Tensor adopt_tensor(const at::Tensor& cpu, c10::DeviceIndex d);
+
+}  // namespace neuron

@@ -1,0 +1,194 @@
+"""Modelled Trainium time of the work the device executed: a roofline per op.
+
+The runtime (C++) counts every executed op by (name, device, dtype, input shapes, bytes);
+this module turns those counts into time on the selected chip from the hardware profile:
+
+- TensorE ops (matmul, convolution, attention): systolic-array cycles. One ``nc_matmul``
+  instruction takes a <=128x128 stationary tile and streams a <=512-wide moving tile, costing
+  max(64, N) cycles (x4 for fp32, scaled by the profile's TFLOPS ratio for fp8).
+- Other ops: elements over the vector (or, for transcendentals, scalar) engine's lanes.
+- Every op: HBM bytes over the logical core's bandwidth; time = launch + max(compute, HBM).
+- Host copies: bytes over the host link.
+Execution never reads this module: it is accounting, computed when asked.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from . import _C, _state
+
+_TENSORE = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "dot", "vdot", "mv", "addmv", "_scaled_mm",
+            "_int_mm", "convolution", "convolution_backward",
+            "_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_dot_product_flash_attention_for_cpu_backward"}
+_SCALAR_ENGINE = {"exp", "exp_", "log", "log_", "tanh", "tanh_", "sigmoid", "sigmoid_", "gelu",
+                  "gelu_backward", "silu", "silu_", "silu_backward", "_softmax",
+                  "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data", "erf",
+                  "rsqrt", "sqrt", "sin", "cos", "pow", "log1p", "expm1", "softplus",
+                  "tanh_backward", "sigmoid_backward", "_foreach_sqrt", "_foreach_exp"}
+_DTYPES = {getattr(torch, n): n for n in ("float32", "bfloat16", "float16", "float64",
+                                           "float8_e4m3fn", "float8_e5m2", "int8", "int32",
+                                           "int64", "bool", "uint8", "int16")}
+
+
+def _dtype_from_code(code: int) -> torch.dtype:
+    # ScalarType enum values, as torch exposes them through an empty tensor's dtype.
+    return _SCALAR_TYPES[code] if code < len(_SCALAR_TYPES) else torch.float32
+
+
+_SCALAR_TYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+                 torch.float32, torch.float64, torch.complex32, torch.complex64, torch.complex128,
+                 torch.bool, torch.qint8, torch.quint8, torch.qint32, torch.bfloat16,
+                 torch.quint4x2, torch.quint2x4, torch.bits1x8, torch.bits2x4, torch.bits4x2,
+                 torch.bits8, torch.bits16, torch.float8_e5m2, torch.float8_e4m3fn,
+                 torch.float8_e5m2fnuz, torch.float8_e4m3fnuz]
+
+
+def _shapes(sig) -> list:
+    out, i = [], 0
+    while i < len(sig):
+        nd = sig[i]
+        out.append(tuple(sig[i + 1:i + 1 + nd]))
+        i += 1 + nd
+    return out
+
+
+def _matmul_dims(name: str, shapes: list):
+    """(batch, M, K, N) of a TensorE op, or None when the shapes don't say."""
+    if name in ("addmm", "baddbmm", "addbmm", "addmv"):
+        shapes = shapes[1:]
+    if len(shapes) < 2:
+        return None
+    a, b = shapes[0], shapes[1]
+    if name in ("mm", "addmm", "_scaled_mm", "_int_mm") and len(a) == 2 and len(b) == 2:
+        return 1, a[0], a[1], b[1]
+    if name in ("bmm", "baddbmm") and len(a) == 3 and len(b) == 3:
+        return a[0], a[1], a[2], b[2]
+    if name == "addbmm" and len(a) == 3 and len(b) == 3:
+        return a[0], a[1], a[2], b[2]
+    if name in ("mv", "addmv") and len(a) == 2:
+        return 1, a[0], a[1], 1
+    if name in ("dot", "vdot") and len(a) == 1:
+        return 1, 1, a[0], 1
+    if name.startswith("_scaled_dot_product_flash_attention") and len(a) == 4 and len(b) == 4:
+        bsz, heads, lq, d = a
+        lk = b[2]
+        mult = 2 if name.endswith("backward") else 1
+        # QK^T and PV: two matmuls of (lq x d) by (d x lk) per head.
+        return 2 * mult * bsz * heads, lq, d, lk
+    if name.startswith("convolution") and len(a) >= 3 and len(b) >= 3:
+        # implicit GEMM: M = out channels, K = in_ch/groups * kernel, N = batch * output pixels
+        if name == "convolution" and len(shapes) >= 3:
+            out = shapes[2]
+            n_pix = out[0] * math.prod(out[2:])
+            return 1, b[0], math.prod(b[1:]), n_pix
+        if name == "convolution_backward":
+            go, w = shapes[0], shapes[2] if len(shapes) > 2 else b
+            n_pix = go[0] * math.prod(go[2:])
+            return 2, w[0], math.prod(w[1:]), n_pix
+    return None
+
+
+def _tensore_seconds(p, dims, dtype: torch.dtype, lnc: int) -> float:
+    batch, m, k, n = dims
+    per_instr = max(p.min_ii_cycles, min(n, p.gemm_moving_fmax))
+    instrs = math.ceil(k / p.pe_rows) * math.ceil(m / p.pe_cols) * math.ceil(n / p.gemm_moving_fmax)
+    cycles = batch * instrs * per_instr
+    name = _DTYPES.get(dtype, "float32")
+    key = "float8" if name.startswith("float8") else name
+    rate = p.core_tflops.get(key, p.core_tflops["float32"])
+    cycles *= p.core_tflops["bfloat16"] / rate
+    return cycles / p.tensor_clock / lnc
+
+
+@dataclass
+class ModelledTime:
+    """Modelled time on the chip of the work executed since the last reset."""
+    platform: str
+    device: int
+    seconds: float = 0.0
+    launches: int = 0
+    flops: float = 0.0
+    hbm_bytes: int = 0
+    host_bytes: int = 0
+    by_op: dict = field(default_factory=lambda: defaultdict(float))
+    by_engine: dict = field(default_factory=lambda: defaultdict(float))
+
+    def top(self, n: int = 10) -> list:
+        return sorted(self.by_op.items(), key=lambda kv: -kv[1])[:n]
+
+    def __str__(self):
+        ops = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in self.top(5))
+        return (f"modelled {self.platform} time on neuron:{self.device}: {self.seconds * 1e3:.3f} ms "
+                f"over {self.launches} launches ({self.flops / 1e9:.2f} GFLOP, "
+                f"{self.hbm_bytes / 1e6:.1f} MB HBM); top: {ops}")
+
+
+_totals: dict = {}
+
+
+def _account(record) -> None:
+    name, device, dtype_code, sig, count, bytes_in, bytes_out = record
+    cfg = _state.config()
+    p, lnc = cfg.profile, cfg.lnc
+    t = _totals.setdefault(device, ModelledTime(platform=p.name, device=device))
+    op = name.split("::", 1)[-1]
+    dtype = _dtype_from_code(dtype_code)
+    if op.startswith("copy_"):
+        link = p.core_hbm_bandwidth(lnc) if op == "copy_d2d" else p.host_link_bandwidth
+        seconds = count * p.dma_fixed_ns * 1e-9 + bytes_out / link
+        t.host_bytes += 0 if op == "copy_d2d" else bytes_out
+        engine = "dma"
+    else:
+        hbm = (bytes_in + bytes_out) / p.core_hbm_bandwidth(lnc)
+        dims = _matmul_dims(op, _shapes(sig)) if op in _TENSORE else None
+        if dims is not None:
+            compute = count * _tensore_seconds(p, dims, dtype, lnc)
+            t.flops += count * 2.0 * math.prod(dims)
+            engine = "tensor"
+        else:
+            itemsize = torch.empty((), dtype=dtype).element_size() if dtype.is_floating_point or \
+                dtype in (torch.int32, torch.int64, torch.int8, torch.uint8, torch.bool, torch.int16) else 4
+            elems = max(bytes_in, bytes_out) / max(itemsize, 1)
+            base = op.rstrip("_")
+            scalar = op in _SCALAR_ENGINE or base in _SCALAR_ENGINE
+            clock = p.scalar_clock if scalar else p.vector_clock
+            compute = elems / (p.vector_lanes * clock * lnc)
+            engine = "scalar" if scalar else "vector"
+        seconds = count * p.launch_overhead_ns * 1e-9 + max(compute, hbm)
+        t.hbm_bytes += bytes_in + bytes_out
+    t.seconds += seconds
+    t.launches += count
+    t.by_op[op] += seconds
+    t.by_engine[engine] += seconds
+
+
+def _drain() -> None:
+    for record in _C._drain_op_records():
+        _account(record)
+
+
+def modelled_time(device=None, reset: bool = False) -> ModelledTime:
+    """Modelled Trainium time of everything executed on ``device`` since the last reset."""
+    from .neuron import _index
+    _drain()
+    idx = _index(device)
+    cfg = _state.config()
+    t = _totals.get(idx) or ModelledTime(platform=cfg.profile.name, device=idx)
+    if reset:
+        _totals.pop(idx, None)
+    return t
+
+
+def reset_modelled_time(device=None) -> None:
+    """Forget accumulated modelled time (of one device, or of all when ``device`` is None)."""
+    _drain()
+    if device is None:
+        _totals.clear()
+    else:
+        from .neuron import _index
+        _totals.pop(_index(device), None)

@@ -1,0 +1,99 @@
+"""``torch.neuron``: the device module of the virtual Trainium NeuronCore, with CUDA's API."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import _state
+from ._device import (current_device, device, device_count, device_of, is_available,
+                      is_initialized, set_device, synchronize, _index)
+from .memory import (empty_cache, max_memory_allocated, max_memory_reserved, mem_get_info,
+                     memory_allocated, memory_reserved, memory_stats, memory_summary,
+                     reset_accumulated_memory_stats, reset_peak_memory_stats,
+                     set_per_process_memory_fraction)
+from .random import (default_generator, get_rng_state, get_rng_state_all, initial_seed,
+                     manual_seed, manual_seed_all, seed, seed_all, set_rng_state,
+                     set_rng_state_all)
+from .streams import (Event, Stream, StreamContext, current_stream, default_stream, set_stream,
+                      stream)
+
+
+@dataclass(frozen=True)
+class NeuronDeviceProperties:
+    name: str
+    chip: str
+    core_version: str
+    platform: str               # trn1 | trn2 | trn3
+    logical_nc_config: int      # physical NeuronCores per logical core
+    physical_cores: int
+    core_id: int                # visible logical core id
+    total_memory: int           # modelled HBM bytes of this logical core
+    hbm_bandwidth: float        # bytes/s
+    peak_tflops: dict           # dense TFLOPS by dtype name
+    sbuf_bytes: int
+    psum_bytes: int
+    multi_processor_count: int  # physical cores, where CUDA code looks for SMs
+    is_virtual: bool = True
+    major: int = 0
+    minor: int = 0
+
+
+def get_device_properties(device=None) -> NeuronDeviceProperties:
+    idx = _index(device)
+    cfg = _state.config()
+    if not 0 <= idx < cfg.device_count:
+        raise RuntimeError(f"Invalid device index neuron:{idx}: there are {cfg.device_count} "
+                           "visible neuron device(s)")
+    p, lnc = cfg.profile, cfg.lnc
+    major = int(p.core_version.rsplit("v", 1)[-1])
+    return NeuronDeviceProperties(
+        name=get_device_name(idx), chip=p.chip, core_version=p.core_version, platform=p.name,
+        logical_nc_config=lnc, physical_cores=lnc, core_id=cfg.cores[idx],
+        total_memory=cfg.hbm_bytes, hbm_bandwidth=p.core_hbm_bandwidth(lnc),
+        peak_tflops={k: v * lnc for k, v in p.core_tflops.items()},
+        sbuf_bytes=p.sbuf_bytes * lnc, psum_bytes=p.psum_bytes * lnc,
+        multi_processor_count=lnc, major=major, minor=0)
+
+
+def get_device_name(device=None) -> str:
+    cfg = _state.config()
+    return f"{cfg.profile.chip} {cfg.profile.core_version} (virtual, LNC={cfg.lnc})"
+
+
+def get_device_capability(device=None) -> tuple:
+    p = get_device_properties(device)
+    return (p.major, p.minor)
+
+
+def get_amp_supported_dtype() -> list:
+    return [torch.bfloat16, torch.float16]
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    return True
+
+
+def _is_in_bad_fork() -> bool:
+    return False
+
+
+def _lazy_init() -> None:
+    pass
+
+
+def init() -> None:
+    pass
+
+
+__all__ = [
+    "Event", "Stream", "StreamContext", "current_device", "current_stream", "default_generator",
+    "default_stream", "device", "device_count", "device_of", "empty_cache",
+    "get_amp_supported_dtype", "get_device_capability", "get_device_name",
+    "get_device_properties", "get_rng_state", "get_rng_state_all", "init", "initial_seed",
+    "is_available", "is_bf16_supported", "is_initialized", "manual_seed", "manual_seed_all",
+    "max_memory_allocated", "max_memory_reserved", "mem_get_info", "memory_allocated",
+    "memory_reserved", "memory_stats", "memory_summary", "reset_accumulated_memory_stats",
+    "reset_peak_memory_stats", "seed", "seed_all", "set_device", "set_per_process_memory_fraction",
+    "set_rng_state", "set_rng_state_all", "set_stream", "stream", "synchronize",
+]
