@@ -18,17 +18,19 @@ _get_profile = None
 def _load_hardware():
     """``torch_neuronx.hardware.get_profile``; if the torch_neuronx package itself cannot be
     imported (its device runtime is optional for NKI), load just its hardware data package."""
-    try:
+    import importlib.util
+    import os
+    import sys
+    if "torch_neuronx.hardware" in sys.modules:
+        return sys.modules["torch_neuronx.hardware"].get_profile
+    # Importing torch_neuronx would start the device runtime (and torch); the simulator only
+    # needs the hardware data package, so load that alone.
+    spec = importlib.util.find_spec("torch_neuronx")
+    root = os.path.dirname(spec.origin) if spec and spec.origin else None
+    if root is None:
         from torch_neuronx.hardware import get_profile
         return get_profile
-    except Exception:
-        import importlib.util
-        import os
-        import sys
-        spec = importlib.util.find_spec("torch_neuronx")
-        root = os.path.dirname(spec.origin) if spec and spec.origin else None
-        if root is None:
-            raise
+    if True:
         hw = os.path.join(root, "hardware")
         s = importlib.util.spec_from_file_location("_nki_hardware", os.path.join(hw, "__init__.py"),
                                                    submodule_search_locations=[hw])

@@ -20,6 +20,7 @@ class Allocator:
         self.ends: dict[int, int] = {}
         self.names: dict[int, str] = {}
         self.peak = 0
+        self.cursor = 0                      # next-fit: rotate through memory like a ring
 
     def used(self) -> int:
         return sum(self.ends[s] - s for s in self.starts)
@@ -39,13 +40,20 @@ class Allocator:
         return addr
 
     def _fit(self, n: int):
-        cur = 0
-        for s in self.starts + [self.capacity]:
-            cand = self._bank_align(cur, n)
-            if cand + n <= s:
-                return cand
-            if s < self.capacity:
-                cur = max(cur, self.ends[s])
+        # Next-fit from the last allocation, then first-fit from 0: freshly freed tiles are
+        # reused last, so loop-local tiles rotate through buffers as the compiler's
+        # multi-buffering does, instead of serialising on one address.
+        for lo in (self.cursor, 0):
+            cur = lo
+            for s in self.starts + [self.capacity]:
+                if s + (self.ends.get(s, s) - s) <= lo and s < self.capacity:
+                    continue
+                cand = self._bank_align(cur, n)
+                if cand + n <= s:
+                    self.cursor = cand + n
+                    return cand
+                if s < self.capacity:
+                    cur = max(cur, self.ends[s])
         return None
 
     def _bank_align(self, addr: int, n: int) -> int:

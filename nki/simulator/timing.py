@@ -30,7 +30,6 @@ class Timeline:
         self.p, self.core = profile, core
         self.free = {e: 0.0 for e in ENGINES}
         self.queues = [0.0] * profile.dma_queues
-        self.hbm_free = 0.0
         self.busy = {e: 0.0 for e in ENGINES}
         self.busy["dma"] = 0.0
         self.regions: dict = {}
@@ -98,17 +97,15 @@ class Timeline:
         """A DMA instruction's descriptors spread over up to ``dma_queues`` queues (one run
         of rows each); it starts when all of them are free and its data is ready."""
         p = self.p
-        k = max(1, min(len(self.queues), rows))
+        k = max(1, min(p.dma_queues_per_instruction, len(self.queues), rows))
         order = sorted(range(len(self.queues)), key=self.queues.__getitem__)[:k]
         start = max(self.queues[order[-1]], self._ready("dma", reads, writes))
         # Each contiguous row carries a fixed cost; rows of >= ~2 KiB approach peak.
         eff = efficiency * row_bytes / (row_bytes + p.dma_row_overhead_bytes)
-        xfer = nbytes / k / (p.dma_queue_bytes_per_ns * max(eff, 1e-3))
-        end = start + p.dma_fixed_ns + xfer
+        rate = k * p.dma_queue_bytes_per_ns * max(eff, 1e-3)
         if touches_hbm:
-            h0 = max(self.hbm_free, start + p.dma_fixed_ns)
-            self.hbm_free = h0 + nbytes / self.hbm_bytes_per_ns
-            end = max(end, self.hbm_free)
+            rate = min(rate, self.hbm_bytes_per_ns)      # one transfer cannot beat HBM
+        end = start + p.dma_fixed_ns + nbytes / rate
         for q in order:
             self.queues[q] = end
         self.busy["dma"] += (end - start) * k / len(self.queues)

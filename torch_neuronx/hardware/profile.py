@@ -46,6 +46,8 @@ class ChipProfile:
     # Fixed per-row (per contiguous run) DMA cost in byte-equivalents: rows of >= ~2 KiB per
     # partition approach the queue's peak bandwidth, small rows do not.
     dma_row_overhead_bytes: int = 512
+    # Queues one DMA instruction's descriptors are spread over (the rest serve other DMAs).
+    dma_queues_per_instruction: int = 4
     launch_overhead_ns: float = 2000.0  # host-to-device kernel launch on the runtime
     host_link_bandwidth: float = 32e9   # bytes/s host<->device (PCIe) per logical core
     vector_lanes: int = 128             # elements per cycle of VectorE / ScalarE / GpSimd
