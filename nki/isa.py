@@ -75,6 +75,7 @@ _ENG = {engine.tensor: "tensor", engine.vector: "vector", engine.scalar: "scalar
         engine.gpsimd: "gpsimd"}
 _FP_MM = {"float8_e4m3", "float8_e4m3fn", "float8_e5m2", "bfloat16", "float16", "tfloat32", "float32"}
 _PREDICATE = {"uint8", "uint16", "uint32"}
+_SCRATCH: dict = {}          # reused matmul temporaries, keyed by shape
 
 
 def _mi():
@@ -219,17 +220,21 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
             groups.append(b)
     elif accumulate:
         acc = True
-    a = _f32(stationary)
-    m = _f32(moving)
-    out = dst.v.reshape(M, N) if dst.v.flags.c_contiguous else None
-    if out is not None and dst.dtype.name == "float32" and out.base is not None:
+    a = stationary.v if stationary.v.ndim == 2 else _flat(stationary)
+    m = moving.v if moving.v.ndim == 2 else _flat(moving)
+    out = dst.v
+    if out.ndim == 2 and dst.dtype.name == "float32":
         if acc:
-            out += a.T @ m
+            scratch = _SCRATCH.get(out.shape)
+            if scratch is None:
+                scratch = _SCRATCH[out.shape] = np.empty(out.shape, np.float32)
+            np.matmul(a.T, m, out=scratch)
+            np.add(out, scratch, out=out)
         else:
             np.matmul(a.T, m, out=out)
     else:
         r = a.T @ m
-        _put(dst, r + _f32(dst).reshape(M, N) if acc else r)
+        _put(dst, r + _f32(dst) if acc else r)
 
 
 def nc_transpose(dst, data, engine=engine.unknown, name=None):
