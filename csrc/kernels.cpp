@@ -632,3 +632,16 @@ TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
 }  // namespace autocast_policy
 
 }  // namespace neuron
+
+namespace neuron {
+// Copies honour conjugate and negative bits themselves (the CPU alias keeps them), so the
+// math-bit fallbacks must not materialise first: that would copy, and recurse.
+TORCH_LIBRARY_IMPL(aten, Conjugate, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+TORCH_LIBRARY_IMPL(aten, Negative, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+}  // namespace neuron

@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/Generator.h>
+#include <torch/csrc/utils/pybind.h>
 
 namespace neuron {
 void set_recording(bool on);
@@ -28,6 +29,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_default_generator", [](int d) {
     return pybind11::reinterpret_steal<pybind11::object>(
         THPGenerator_initDefaultGenerator(neuron::default_generator(static_cast<c10::DeviceIndex>(d))));
+  });
+  // A CPU tensor over the same memory (device memory is host memory): for transports
+  // such as gloo that read and write host buffers. It keeps the device storage alive.
+  m.def("_cpu_alias", [](const at::Tensor& t) {
+    TORCH_CHECK(t.device().type() == neuron::kDevice, "_cpu_alias expects a neuron tensor, got ", t.device());
+    auto alias = neuron::cpu_alias(t);
+    auto keep = t.storage();
+    auto* st = alias.storage().unsafeGetStorageImpl();
+    void* p = st->mutable_data();
+    st->set_data_ptr_noswap(c10::DataPtr(p, new c10::Storage(keep),
+        [](void* ctx) { delete static_cast<c10::Storage*>(ctx); }, c10::Device(c10::kCPU)));
+    return alias;
   });
   m.def("_set_quiet", &neuron::set_quiet);
   m.def("_quiet", &neuron::quiet);

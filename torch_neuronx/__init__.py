@@ -26,6 +26,8 @@ def _register() -> None:
     _C._set_device_count(cfg.device_count)
     for i in range(cfg.device_count):
         _C._set_memory_limit(i, cfg.hbm_bytes)
+    # Trainium's native mixed precision is bf16 (autocast's per-device default is fp16).
+    torch.set_autocast_dtype("neuron", torch.bfloat16)
 
 
 _register()

@@ -26,12 +26,21 @@ class Stream(torch.Stream):
         return f"<torch.neuron.Stream device=neuron:{self.device_index} stream_id={self.stream_id}>"
 
 
-class Event(torch.Event):
-    """``torch.neuron.Event(enable_timing=False, blocking=False, interprocess=False)``."""
+class _EventMeta(type):
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, torch.Event) and obj.device.type == "neuron"
+
+
+class Event(metaclass=_EventMeta):
+    """``torch.neuron.Event(enable_timing=False, blocking=False, interprocess=False)``.
+
+    Returns a ``torch.Event`` on the current neuron device: PyTorch's event methods accept
+    only that exact type, so this is a constructor rather than a subclass.
+    """
 
     def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
-        return super().__new__(cls, device=torch.device("neuron"), enable_timing=enable_timing,
-                               blocking=blocking, interprocess=interprocess)
+        return torch.Event(device=torch.device("neuron", torch.accelerator.current_device_index()),
+                           enable_timing=enable_timing, blocking=blocking, interprocess=interprocess)
 
 
 def _wrap(s: torch.Stream) -> Stream:
