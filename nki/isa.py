@@ -15,6 +15,7 @@ from . import _ops
 from . import errors as E
 from .simulator import context as _ctx
 from .simulator import rules as _rules
+from .simulator import tensore as _tensore
 from .simulator.tensor import NkiTensor
 
 
@@ -75,7 +76,6 @@ _ENG = {engine.tensor: "tensor", engine.vector: "vector", engine.scalar: "scalar
         engine.gpsimd: "gpsimd"}
 _FP_MM = {"float8_e4m3", "float8_e4m3fn", "float8_e5m2", "bfloat16", "float16", "tfloat32", "float32"}
 _PREDICATE = {"uint8", "uint16", "uint32"}
-_SCRATCH: dict = {}          # reused matmul temporaries, keyed by shape
 
 
 def _mi():
@@ -225,16 +225,20 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     out = dst.v
     if out.ndim == 2 and dst.dtype.name == "float32":
         if acc:
-            scratch = _SCRATCH.get(out.shape)
-            if scratch is None:
-                scratch = _SCRATCH[out.shape] = np.empty(out.shape, np.float32)
-            np.matmul(a.T, m, out=scratch)
-            np.add(out, scratch, out=out)
+            def work():
+                tmp = _tensore.pool().tmp(out.shape)
+                np.matmul(a.T, m, out=tmp)
+                np.add(out, tmp, out=out)
         else:
-            np.matmul(a.T, m, out=out)
+            def work():
+                np.matmul(a.T, m, out=out)
     else:
-        r = a.T @ m
-        _put(dst, r + _f32(dst) if acc else r)
+        def work():
+            r = a.T @ m
+            _put(dst, r + _f32(dst) if acc else r)
+    key = dst.box()[1][2] // p.psum_bank_bytes if dst.kind == "psum" else 0
+    # Outside a kernel run (interactive use) nothing would drain the queue: run inline.
+    _tensore.pool().submit(key, K * M * N if sim.in_run else 0, work)
 
 
 def nc_transpose(dst, data, engine=engine.unknown, name=None):
@@ -699,6 +703,7 @@ def rng(dst, engine=engine.unknown, name=None):
 
 def set_rng_seed(src, name=None):
     sim = _ctx.current()
+    _tensore.drain()
     seed = int(np.asarray(src.v).reshape(-1)[0]) if isinstance(src, NkiTensor) else int(src)
     sim._rng = np.random.default_rng(seed)
 
@@ -851,6 +856,7 @@ def register_alloc(x=0):
 
 
 def register_load(dst, src):
+    _tensore.drain()
     dst.value = int(np.asarray(src.v).reshape(-1)[0])
 
 

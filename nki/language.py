@@ -214,6 +214,7 @@ def while_loop(init, body_fun):
 
 
 def device_print(prefix, x, **kwargs):
+    _ctx.drain()
     print(prefix, x.v if isinstance(x, NkiTensor) else x)
 
 

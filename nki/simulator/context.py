@@ -2,13 +2,16 @@
 its launch grid, and (when timing) the engine timelines. Instructions report here."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .. import errors as E
 from . import rules
 from .dtypes import DType
 from .memory import Allocator
-from .tensor import Buffer, NkiTensor, new_id
+from .tensor import Buffer, NkiTensor, new_id, take_spare
+from .tensore import drain
 from .timing import Timeline
 
 
@@ -65,6 +68,7 @@ class Sim:
         self.shared_i = 0
         self.scalar_regs = None         # ScalarE reduce registers (activation accumulate)
         self.vector_regs = None
+        self.in_run = False             # set by runner.run, which drains queued GEMMs
 
     # -- allocation ----------------------------------------------------------------
     def alloc(self, shape, dtype: DType, kind: str, name=None, fill="nan") -> NkiTensor:
@@ -75,10 +79,15 @@ class Sim:
                 buf = self.shared[self.shared_i]
                 self.shared_i += 1
                 return NkiTensor(buf, buf.data)
-        store = np.empty(shape, dtype=dtype.storage)
+        store = take_spare(shape, dtype.storage)
+        if store is None:
+            store = np.empty(shape, dtype=dtype.storage)
+        else:
+            drain()     # a queued GEMM may still write the dead buffer this storage came from
         _fill(store, dtype, fill)
         if kind in ("shared_hbm", "hbm", "private_hbm"):
             buf = Buffer("hbm", dtype, store, name)
+            buf.recycle = True
             if kind != "private_hbm" and self.grid:
                 self.shared.append(buf)
                 self.shared_i += 1
@@ -89,10 +98,11 @@ class Sim:
             rules.fail(E.PartitionDimensionError,
                        f"{kind.upper()} tensor {name!r} of shape {shape} has partition dimension "
                        f"{shape[0]} > {self.pmax} (nl.tile_size.pmax)")
-        per_part = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+        per_part = math.prod(shape[1:]) * dtype.itemsize
         alloc = self.sbuf if kind == "sbuf" else self.psum
         addr = alloc.alloc(per_part, name)
         buf = Buffer(kind, dtype, store, name, addr, alloc)
+        buf.recycle = True
         if kind == "psum":
             buf.groups = []
         return NkiTensor(buf, store)
@@ -100,6 +110,8 @@ class Sim:
     # -- instruction issue -----------------------------------------------------------
     def compute(self, name, engine, cycles, reads=(), writes=()):
         self.count += 1
+        if name != "nc_matmul":
+            drain()             # queued GEMMs finish before anything else touches tiles
         rules.check_access(name, engine, reads, writes)
         rules.check_partitions(name, engine, list(reads) + list(writes), self.pmax)
         for w in writes:
@@ -109,13 +121,14 @@ class Sim:
 
     def dma(self, name, dst, src, efficiency=1.0):
         self.count += 1
+        drain()
         rules.check_access(name, "dma", [src], [dst])
         rules.check_partitions(name, "dma", [src, dst], self.pmax)
         dst.buf.written = True
         if self.timing:
             nbytes = dst.size * dst.dtype.itemsize
             onchip = dst if dst.kind != "hbm" else src
-            rows = onchip.shape[0] if onchip.kind != "hbm" else int(np.prod(dst.shape[:-1])) or 1
+            rows = onchip.shape[0] if onchip.kind != "hbm" else math.prod(dst.shape[:-1]) or 1
             row_bytes = max(1, nbytes // max(rows, 1))
             self.tl.dma(name, nbytes, rows, row_bytes, "hbm" in (dst.kind, src.kind),
                         [src.box()], [dst.box()], efficiency)

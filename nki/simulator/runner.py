@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from .. import errors as E
-from . import context, trace
+from . import context, tensore, trace
 from .dtypes import as_dtype
 from .tensor import Buffer, NkiTensor, new_id
 
@@ -96,6 +96,7 @@ def _outputs(res, torch_like, func=None):
 def run(func, args, kwargs, grid=(), target=None, timing=False):
     """Execute func once per grid position; returns (outputs, sim)."""
     sim = context.Sim(target, timing)
+    sim.in_run = True
     prev = context.set_current(sim)
     try:
         torch_like = next((a for a in list(args) + list(kwargs.values()) if _is_torch(a)), None)
@@ -113,7 +114,11 @@ def run(func, args, kwargs, grid=(), target=None, timing=False):
             sim.pid, sim.shared_i = pid, 0
             if timing:
                 sim.tl = sim.timelines[k % len(sim.timelines)]
-            r = func(*wargs, **wkw)
+            try:
+                r = func(*wargs, **wkw)
+            finally:
+                # Queued GEMMs land before outputs are read (or the error propagates).
+                tensore.drain()
             if k == 0:
                 result = r
         for a in list(wargs) + list(wkw.values()):

@@ -6,6 +6,7 @@ shares the buffer, so instructions write through to it.
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 
@@ -15,9 +16,34 @@ from . import rules
 _ids = itertools.count()
 
 
+# Storage of dead buffers, by (shape, numpy dtype), for the next allocation of that shape:
+# fresh host memory page-faults on first touch, which cost more than the simulated work
+# for big tiles. Bounded so a finished kernel leaves little behind.
+_SPARE: dict = {}
+_SPARE_LIMIT = 256 << 20
+_spare_bytes = 0
+
+
+def take_spare(shape, dtype):
+    global _spare_bytes
+    lst = _SPARE.get((shape, dtype))
+    if lst:
+        a = lst.pop()
+        _spare_bytes -= a.nbytes
+        return a
+    return None
+
+
+def _give_spare(a):
+    global _spare_bytes
+    if _spare_bytes + a.nbytes <= _SPARE_LIMIT:
+        _SPARE.setdefault((a.shape, a.dtype), []).append(a)
+        _spare_bytes += a.nbytes
+
+
 class Buffer:
     __slots__ = ("kind", "dtype", "data", "name", "addr", "alloc", "ptr", "sitem",
-                 "written", "groups", "origin", "__weakref__")
+                 "written", "groups", "origin", "recycle", "__weakref__")
 
     def __init__(self, kind, dtype, data, name, addr=0, alloc=None, origin=None):
         self.kind, self.dtype, self.data, self.name = kind, dtype, data, name
@@ -26,10 +52,13 @@ class Buffer:
         self.sitem = data.itemsize
         self.written = False
         self.groups = None           # PSUM: boxes of open matmul accumulation groups
+        self.recycle = False         # storage the simulator allocated (never a caller's array)
 
     def __del__(self):
         if self.alloc is not None:
             self.alloc.free(self.addr)
+        if self.recycle:
+            _give_spare(self.data)
 
 
 def _bounds(a: np.ndarray):
@@ -87,11 +116,11 @@ class NkiTensor:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape)) if self.shape else 1
+        return math.prod(self.shape) if self.shape else 1
 
     @property
     def free_size(self) -> int:
-        return int(np.prod(self.shape[1:])) if len(self.shape) > 1 else 1
+        return math.prod(self.shape[1:]) if len(self.shape) > 1 else 1
 
     @property
     def itemsize(self) -> int:

@@ -1,0 +1,102 @@
+"""TensorE's GEMMs, run on host worker threads while the kernel keeps issuing instructions.
+
+One ``nc_matmul`` multiplies at most 128x128 by 128x512 tiles. BLAS spreads such a small GEMM
+over all cores and spends most of its time synchronising them (7x slower than one big GEMM
+of the same FLOPs on a loaded 2-core machine). So each GEMM runs single-threaded, and
+independent GEMMs run side by side: one worker per core, each owning the PSUM banks that
+hash to it, so matmuls into one bank (an accumulation group) stay in program order.
+
+Hazards are simple because TensorE only reads SBUF and writes PSUM: every other
+instruction (and every direct read of tile data) first waits for all queued GEMMs
+(``drain``). Until then no instruction can overwrite a GEMM's inputs or read its output.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+# Below this many multiply-adds a GEMM is cheaper inline than a hand-off to a worker.
+_MIN_ASYNC_MACS = 1 << 20
+
+
+def _openblas_local_setter():
+    """``openblas_set_num_threads_local`` of the OpenBLAS numpy uses (sets the BLAS thread
+    count of the calling thread only), or None when numpy is built differently."""
+    import numpy
+    libdir = os.path.join(os.path.dirname(os.path.dirname(numpy.__file__)), "numpy.libs")
+    for path in glob.glob(os.path.join(libdir, "*openblas*.so*")):
+        try:
+            fn = ctypes.CDLL(path).openblas_set_num_threads_local
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+        return fn
+    return None
+
+
+def _ncores():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+class _Pool:
+    def __init__(self):
+        setter = _openblas_local_setter()
+        n = min(4, _ncores()) if setter is not None else 0
+        if os.environ.get("NKI_SIM_THREADS"):
+            n = int(os.environ["NKI_SIM_THREADS"]) if setter is not None else 0
+        self.workers = [ThreadPoolExecutor(1, thread_name_prefix=f"nki-tensore{i}",
+                                           initializer=setter, initargs=(1,)) for i in range(n)] \
+            if n > 1 else []
+        self.pending = []
+        self.scratch = threading.local()
+
+    def tmp(self, shape):
+        d = getattr(self.scratch, "d", None)
+        if d is None:
+            d = self.scratch.d = {}
+        t = d.get(shape)
+        if t is None:
+            t = d[shape] = np.empty(shape, np.float32)
+        return t
+
+    def submit(self, key, macs, work):
+        if not self.workers or macs < _MIN_ASYNC_MACS:
+            if self.pending:
+                self.drain()
+            work()
+            return
+        self.pending.append(self.workers[key % len(self.workers)].submit(work))
+
+    def drain(self):
+        pending, self.pending = self.pending, []
+        err = None
+        for f in pending:
+            e = f.exception()
+            if e is not None and err is None:
+                err = e
+        if err is not None:
+            raise err
+
+
+_pool = None
+
+
+def pool() -> _Pool:
+    global _pool
+    if _pool is None:
+        _pool = _Pool()
+    return _pool
+
+
+def drain():
+    """Wait for every queued GEMM (before any other instruction touches tile data)."""
+    if _pool is not None and _pool.pending:
+        _pool.drain()
