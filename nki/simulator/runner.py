@@ -1,8 +1,10 @@
 """Running a kernel: ``nki.jit``, ``nki.simulate``, ``nki.benchmark`` and ``nki.profile``.
 
-Arguments may be NumPy arrays or torch tensors (CPU, or on the ``neuron`` device: copied to
-the host and results copied back). Inputs become HBM tensors; float32 arrays are used in
-place, other dtypes are converted and written back if the kernel writes them.
+Arguments may be NumPy arrays or torch tensors (CPU, or on the ``neuron`` device, read and
+written in place through zero-copy host views; see ``torch_io``). Inputs become HBM tensors;
+float32 (and integer) data is used in place, other dtypes are converted and written back if
+the kernel writes them. On the neuron device the kernel's modelled latency is added to the
+device's modelled time (``torch_neuronx.modelled_time``).
 """
 from __future__ import annotations
 
@@ -13,96 +15,78 @@ import time
 import numpy as np
 
 from .. import errors as E
-from . import context, tensore, trace
+from . import context, tensore, torch_io, trace
 from .dtypes import as_dtype
 from .tensor import Buffer, NkiTensor, new_id
 
 
-def _is_torch(x):
-    return type(x).__module__.startswith("torch") and hasattr(x, "detach")
-
-
-def _to_numpy(x):
-    """A host numpy view/copy of a torch tensor (bf16/fp8 go through float32)."""
-    t = x.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    import torch
-    if t.dtype in (torch.bfloat16,) or "float8" in str(t.dtype):
-        import ml_dtypes
-        name = str(t.dtype).replace("torch.", "")
-        real = {"bfloat16": ml_dtypes.bfloat16, "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
-                "float8_e5m2": ml_dtypes.float8_e5m2}.get(name)
-        if real is None:
-            raise E.UnsupportedError(f"torch dtype {t.dtype} is not supported by the NKI simulator")
-        return t.float().numpy().astype(real)
-    return t.resolve_conj().numpy()
-
-
-def _to_torch(a: np.ndarray, like):
-    import torch
-    name = a.dtype.name
-    if name in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
-        out = torch.from_numpy(a.astype(np.float32)).to(getattr(torch, name))
-    elif name.startswith("float8") or name.startswith("float4"):
-        out = torch.from_numpy(a.astype(np.float32))
-    else:
-        out = torch.from_numpy(np.ascontiguousarray(a))
-    if like is not None and like.device.type != "cpu":
-        out = out.to(like.device)
-    return out
-
-
 def _wrap_input(x, sim, name):
-    origin = x
-    arr = _to_numpy(x) if _is_torch(x) else x
-    d = as_dtype(arr.dtype)
-    if arr.dtype == d.storage and arr.flags.c_contiguous and not _is_torch(x) and arr.flags.writeable:
-        store, origin = arr, None        # used in place: writes land in the caller's array
+    if torch_io.is_torch(x):
+        store, origin = torch_io.wrap(x)
+        d = as_dtype(origin.host.dtype)
     else:
-        store = d.round(arr.astype(np.float32)) if d.is_float else np.ascontiguousarray(arr, d.storage)
-        store = np.array(store, dtype=d.storage, copy=True)
-    buf = Buffer("hbm", d, store, name, origin=origin)
-    return NkiTensor(buf, store)
+        d = as_dtype(x.dtype)
+        if x.dtype == d.storage and x.flags.c_contiguous and x.flags.writeable:
+            store, origin = x, None        # used in place: writes land in the caller's array
+        else:
+            store = d.round(x.astype(np.float32)) if d.is_float else np.ascontiguousarray(x, d.storage)
+            store, origin = np.array(store, dtype=d.storage, copy=True), x
+    return NkiTensor(Buffer("hbm", d, store, name, origin=origin), store)
 
 
 def _write_back(t: NkiTensor):
     origin = t.buf.origin
     if origin is None or not t.buf.written:
         return
-    real = t.dtype.to_real(t.buf.data)
-    if _is_torch(origin):
-        origin.copy_(_to_torch(real, None).to(origin.dtype).to(origin.device))
+    if isinstance(origin, torch_io.Origin):
+        torch_io.write_back(origin, t.dtype, t.buf.data)
     else:
-        origin[...] = real.astype(origin.dtype)
+        origin[...] = t.dtype.to_real(t.buf.data).astype(origin.dtype)
 
 
-def _outputs(res, torch_like, func=None):
+def _outputs(res, device, func=None):
+    """Kernel results: NumPy arrays of the real dtype, or torch tensors on ``device``."""
     if isinstance(res, NkiTensor):
         if res.kind != "hbm":
             code = getattr(func, "__code__", None)
             raise E.OutputBufferError(
                 f"kernel output {res.name!r} lives in {res.kind.upper()}; outputs must be "
                 f"allocated in nl.shared_hbm", code and code.co_filename, code and code.co_firstlineno)
+        own = res.buf.torch
+        if own is not None and res.v.shape == res.buf.data.shape:
+            return own                          # the kernel wrote the device tensor directly
         a = res.dtype.to_real(res.v)
-        return _to_torch(a, torch_like) if torch_like is not None else a
+        return torch_io.to_torch(a, device) if device is not None else a
     if isinstance(res, (tuple, list)):
-        return type(res)(_outputs(r, torch_like, func) for r in res)
+        return type(res)(_outputs(r, device, func) for r in res)
     if isinstance(res, dict):
-        return {k: _outputs(v, torch_like, func) for k, v in res.items()}
+        return {k: _outputs(v, device, func) for k, v in res.items()}
     return res
+
+
+def _latency_ns(sim):
+    return max((tl.end for tl in sim.timelines), default=0.0)
 
 
 def run(func, args, kwargs, grid=(), target=None, timing=False):
     """Execute func once per grid position; returns (outputs, sim)."""
-    sim = context.Sim(target, timing)
+    tensors = [a for a in list(args) + list(kwargs.values()) if torch_io.is_torch(a)]
+    device = tensors[0].device if tensors else None
+    if any(t.device != device for t in tensors):
+        raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two "
+                           f"devices, {device} and {next(t.device for t in tensors if t.device != device)}! "
+                           f"(NKI kernel {getattr(func, '__name__', func)!r})")
+    on_device = device is not None and device.type == "neuron"
+    # On the neuron device the modelled latency is the kernel's cost on the chip, so the
+    # timing model always runs there.
+    sim = context.Sim(target, timing or on_device)
     sim.in_run = True
+    if on_device:
+        sim.torch_device = device
     prev = context.set_current(sim)
     try:
-        torch_like = next((a for a in list(args) + list(kwargs.values()) if _is_torch(a)), None)
-
         def conv(a, i):
-            if isinstance(a, np.ndarray) or _is_torch(a):
+            if isinstance(a, np.ndarray) or torch_io.is_torch(a):
                 return _wrap_input(a, sim, f"in{i}_{new_id()}")
             return a
         wargs = [conv(a, i) for i, a in enumerate(args)]
@@ -112,7 +96,7 @@ def run(func, args, kwargs, grid=(), target=None, timing=False):
         result = None
         for k, pid in enumerate(itertools.product(*(range(g) for g in grid)) if grid else [()]):
             sim.pid, sim.shared_i = pid, 0
-            if timing:
+            if sim.timing:
                 sim.tl = sim.timelines[k % len(sim.timelines)]
             try:
                 r = func(*wargs, **wkw)
@@ -124,7 +108,12 @@ def run(func, args, kwargs, grid=(), target=None, timing=False):
         for a in list(wargs) + list(wkw.values()):
             if isinstance(a, NkiTensor):
                 _write_back(a)
-        return _outputs(result, torch_like, func), sim
+        out = _outputs(result, device, func)
+        if on_device:
+            from torch_neuronx import cost_model
+            cost_model._add_kernel_time(device, f"nki:{getattr(func, '__name__', 'kernel')}",
+                                        _latency_ns(sim) * 1e-9)
+        return out, sim
     finally:
         context.set_current(prev)
 

@@ -43,7 +43,7 @@ def _give_spare(a):
 
 class Buffer:
     __slots__ = ("kind", "dtype", "data", "name", "addr", "alloc", "ptr", "sitem",
-                 "written", "groups", "origin", "recycle", "__weakref__")
+                 "written", "groups", "origin", "recycle", "torch", "__weakref__")
 
     def __init__(self, kind, dtype, data, name, addr=0, alloc=None, origin=None):
         self.kind, self.dtype, self.data, self.name = kind, dtype, data, name
@@ -53,6 +53,7 @@ class Buffer:
         self.written = False
         self.groups = None           # PSUM: boxes of open matmul accumulation groups
         self.recycle = False         # storage the simulator allocated (never a caller's array)
+        self.torch = None            # the neuron tensor whose memory ``data`` views, if any
 
     def __del__(self):
         if self.alloc is not None:

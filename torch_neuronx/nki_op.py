@@ -1,0 +1,149 @@
+"""``torch_neuronx.nki_op``: an NKI kernel as a PyTorch custom operator.
+
+    from torch_neuronx import nki_op
+
+    @nki_op("mylib::add", mutates_args=())
+    @nki.jit
+    def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor: ...
+
+    @add.register_fake                      # optional for an @nki.jit kernel (see below)
+    def _(a, b): return torch.empty_like(a)
+
+    add.register_autograd(backward, setup_context=setup_context)
+
+``nki_op`` takes the arguments of ``torch.library.custom_op`` (``name``, ``mutates_args``,
+``device_types``, ``schema``) and returns its ``CustomOpDef``, so the op runs in eager mode on
+``neuron`` (and CPU) tensors, appears as one node in ``torch.compile`` graphs, and takes
+``register_fake``/``register_autograd``/``register_kernel`` like any custom op. The decorated
+function is either an ``@nki.jit`` kernel (its annotated signature becomes the op's) or a
+Python function that calls NKI kernels on the tensors it receives.
+
+An ``@nki.jit`` kernel needs no fake implementation: by default the op's fake runs the
+kernel once in the simulator on zero inputs of the same shapes and dtypes (cached per shape)
+and returns empty tensors shaped like its outputs. Register a fake to skip that run.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import typing
+
+import torch
+
+__all__ = ["nki_op"]
+
+
+def _np_dtype(dtype: torch.dtype):
+    import ml_dtypes
+    import numpy as np
+    name = str(dtype).replace("torch.", "")
+    special = {"bfloat16": ml_dtypes.bfloat16, "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
+               "float8_e5m2": ml_dtypes.float8_e5m2, "bool": np.bool_}
+    return special.get(name) or np.dtype(name)
+
+
+def _signature(func):
+    """func's signature with string annotations resolved (custom_op infers the schema from it)."""
+    sig = inspect.signature(func)
+    try:
+        hints = typing.get_type_hints(func)
+    except (NameError, TypeError):
+        hints = {}
+    params = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values()]
+    ret = hints.get("return", sig.return_annotation)
+    # get_type_hints turns "-> None" into NoneType; custom_op's schema inference wants None.
+    return sig.replace(parameters=params, return_annotation=None if ret is type(None) else ret)
+
+
+def _kernel_impl(kernel, sig):
+    def impl(*args, **kwargs):
+        return kernel(*args, **kwargs)
+    impl.__signature__ = sig
+    impl.__name__ = kernel.func.__name__
+    impl.__qualname__ = kernel.func.__qualname__
+    impl.__module__ = kernel.func.__module__
+    impl.__doc__ = kernel.func.__doc__
+    return impl
+
+
+def _auto_fake(kernel, sig):
+    """A fake implementation that learns the output shapes by simulating the kernel on zeros."""
+    import numpy as np
+
+    cache: dict = {}
+
+    def key_of(v):
+        if isinstance(v, torch.Tensor):
+            # An NKI kernel is built for concrete shapes (AWS compiles one per shape), so a
+            # symbolic size specializes here.
+            return ("T", tuple(int(n) for n in v.shape), v.dtype)
+        return ("C", repr(v))
+
+    def fake(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        key = tuple((k, key_of(v)) for k, v in bound.arguments.items())
+        device = next((v.device for v in bound.arguments.values() if isinstance(v, torch.Tensor)), None)
+        metas = cache.get(key)
+        if metas is None:
+            np_args = {k: (np.zeros(kv[1][1], _np_dtype(kv[1][2])) if kv[1][0] == "T" else bound.arguments[k])
+                       for k, kv in zip(bound.arguments, key)}
+            from nki.simulator.runner import run
+            out, _ = run(kernel.func, (), np_args, kernel.grid, kernel.target)
+            metas = cache[key] = _metas(out)
+        return _empties(metas, device)
+    return fake
+
+
+def _metas(out):
+    import numpy as np
+    if out is None:
+        return None
+    if isinstance(out, np.ndarray):
+        return ("T", out.shape, _torch_dtype(out.dtype))
+    if isinstance(out, (tuple, list)):
+        return (type(out), [_metas(o) for o in out])
+    raise TypeError(f"nki_op: kernel returned {type(out).__name__}; return a tensor, a tuple of "
+                    f"tensors or None")
+
+
+def _torch_dtype(np_dtype):
+    name = np_dtype.name
+    return torch.bool if name == "bool" else getattr(torch, name)
+
+
+def _empties(meta, device):
+    if meta is None:
+        return None
+    if meta[0] == "T":
+        return torch.empty(meta[1], dtype=meta[2], device=device)
+    return meta[0](_empties(m, device) for m in meta[1])
+
+
+def nki_op(name, fn=None, /, *, mutates_args, device_types=None, schema=None):
+    """Register ``fn`` (an ``@nki.jit`` kernel or a function calling NKI kernels) as the custom
+    op ``name`` ("namespace::op"); returns a ``torch.library.CustomOpDef``. Usable as
+    ``@nki_op("ns::op", mutates_args=())`` or ``nki_op("ns::op", fn, mutates_args=())``."""
+    def register(f):
+        from nki import Kernel
+        kernel = f if isinstance(f, Kernel) else None
+        target = kernel.func if kernel is not None else f
+        sig = _signature(target)
+        if schema is None:
+            missing = [p.name for p in sig.parameters.values() if p.annotation is inspect.Parameter.empty]
+            if missing or sig.return_annotation is inspect.Signature.empty:
+                what = f"parameters {', '.join(missing)}" if missing else "the return value"
+                raise ValueError(f"nki_op({name!r}): {target.__qualname__} needs type annotations "
+                                 f"(e.g. torch.Tensor) on {what} to define the op's schema, or pass "
+                                 f"schema=")
+        impl = _kernel_impl(kernel, sig) if kernel is not None else functools.wraps(f)(
+            lambda *a, **k: f(*a, **k))
+        if kernel is None:
+            impl.__signature__ = sig
+        op = torch.library.custom_op(name, impl, mutates_args=mutates_args,
+                                     device_types=device_types, schema=schema)
+        if kernel is not None:
+            op.register_fake(_auto_fake(kernel, sig))
+        return op
+
+    return register if fn is None else register(fn)
