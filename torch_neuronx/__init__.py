@@ -35,6 +35,17 @@ _register()
 from .cost_model import modelled_time, reset_modelled_time  # noqa: E402
 
 
+def __getattr__(name):
+    # ``torch_neuronx.nki_op`` loads the NKI integration on first use, so ``import torch``
+    # stays fast and does not import nki.
+    if name == "nki_op":
+        import importlib
+        fn = importlib.import_module(".nki_op", __name__).nki_op
+        globals()["nki_op"] = fn        # the submodule import bound the module; rebind
+        return fn
+    raise AttributeError(f"module 'torch_neuronx' has no attribute {name!r}")
+
+
 def _autoload() -> None:
     """Entry point of the ``torch.backends`` group: importing the package did the work."""
 

@@ -192,3 +192,16 @@ def reset_modelled_time(device=None) -> None:
     else:
         from .neuron import _index
         _totals.pop(_index(device), None)
+
+
+def _add_kernel_time(device, name: str, seconds: float) -> None:
+    """Add an NKI kernel's modelled latency (from the NKI simulator's engine timing model,
+    which the op records cannot see) to ``device``'s modelled time under ``name``."""
+    from .neuron import _index
+    idx = _index(device)
+    cfg = _state.config()
+    t = _totals.setdefault(idx, ModelledTime(platform=cfg.profile.name, device=idx))
+    t.seconds += seconds
+    t.launches += 1
+    t.by_op[name] += seconds
+    t.by_engine["nki"] += seconds
