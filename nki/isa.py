@@ -613,6 +613,46 @@ def affine_select(dst, pattern, offset, channel_multiplier, on_true_tile, on_fal
     _put(dst, np.where(pred, _f32(on_true_tile), np.float32(on_false_value)))
 
 
+def select_reduce(dst, predicate, on_true, on_false, reduce_res=None, reduce_cmd=reduce_cmd.idle,
+                  reduce_op=None, reverse_pred=False, name=None):
+    """dst = where(predicate, on_true, on_false) on VectorE, optionally max-reducing each
+    partition into reduce_res (through the VectorE accumulator registers)."""
+    I = "select_reduce"
+    _T(dst, "dst", I), _T(predicate, "predicate", I), _T(on_true, "on_true", I)
+    _rules.same_elems(I, dst, on_true), _rules.same_elems(I, predicate, on_true)
+    if on_true.dtype.name in ("tfloat32", "int32", "uint32"):
+        _rules.fail(E.DtypeLegalityError, f"{I}: on_true dtype {on_true.dtype.name} is not supported "
+                    f"(any dtype except tfloat32, int32, uint32)")
+    if predicate.dtype.name not in ("int8", "uint8", "int16", "uint16"):
+        _rules.fail(E.DtypeLegalityError, f"{I}: predicate dtype must be int8/uint8/int16/uint16, "
+                    f"got {predicate.dtype.name}")
+    if on_true.kind == "psum" and predicate.kind == "psum":
+        _rules.fail(E.MemoryLegalityError, f"{I}: on_true and predicate cannot both be in PSUM")
+    if reduce_op is not None and getattr(reduce_op, "name", None) not in ("maximum", "max"):
+        _rules.fail(E.NkiRuleError, f"{I}: reduce_op supports only nl.maximum")
+    if reduce_res is not None:
+        if reduce_res.shape[0] != on_true.shape[0] or reduce_res.free_size != 1:
+            _rules.fail(E.ShapeMismatchError, f"{I}: reduce_res must be ({on_true.shape[0]}, 1), "
+                        f"got {tuple(reduce_res.shape)}")
+        if not reduce_res.dtype.is_float:
+            _rules.fail(E.DtypeLegalityError, f"{I}: reduce_res must be a float tile, got {reduce_res.dtype.name}")
+    off = _operand(on_false, on_true, I, "on_false")
+    reads = [predicate, on_true] + ([on_false] if isinstance(on_false, NkiTensor) else [])
+    writes = [dst] + ([reduce_res] if reduce_res is not None else [])
+    _issue(I, "vector", max(_mi(), on_true.free_size), reads, writes)
+    pred = _flat(predicate) != 0
+    if reverse_pred:
+        pred = ~pred
+    y = np.where(pred, _f32(on_true), off)
+    _put(dst, y)
+    if reduce_res is not None or reduce_cmd != type(reduce_cmd).idle:
+        sim = _ctx.current()
+        cmd = reduce_cmd if reduce_cmd != type(reduce_cmd).idle else type(reduce_cmd).reset_reduce
+        regs = _reduce_regs(sim, "vector_regs", y.shape[0], cmd, y.max(axis=1, keepdims=True), np.maximum)
+        if reduce_res is not None:
+            _put(reduce_res, regs)
+
+
 def range_select(dst, on_true_tile, comp_op0, comp_op1, bound0, bound1, reduce_cmd=reduce_cmd.reset_reduce,
                  reduce_res=None, reduce_op=None, range_start=0, on_false_value=-3.4028235e38, name=None):
     """Keep elements whose free index + range_start satisfies both bound comparisons; max-reduce."""
@@ -868,7 +908,7 @@ def register_move(dst, src):
     dst.value = src.value if isinstance(src, VirtualRegister) else int(src)
 
 
-_MISSING = {"nc_matmul_mx", "quantize_mx", "select_reduce", "sequence_bounds", "nc_n_gather",
+_MISSING = {"nc_matmul_mx", "quantize_mx", "sequence_bounds", "nc_n_gather",
             "dma_compute", "nc_stream_shuffle", "core_barrier", "sendrecv", "rand2",
             "rand_set_state", "rand_get_state", "nonzero_with_count", "tensor_scalar_cumulative",
             "activate2", "tensor_copy_dynamic_src", "tensor_copy_dynamic_dst"}

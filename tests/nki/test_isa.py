@@ -2,6 +2,8 @@
 import numpy as np
 import pytest
 
+import nki
+import nki.errors
 import nki.isa as nisa
 import nki.language as nl
 
@@ -344,7 +346,46 @@ def test_language_ops_match_numpy():
 
 def test_missing_instruction_is_named():
     import nki.errors
-    with pytest.raises(NotImplementedError, match="nki.isa.select_reduce"):
-        nisa.select_reduce
+    with pytest.raises(NotImplementedError, match="nki.isa.activate2"):
+        nisa.activate2
     with pytest.raises(nki.errors.UnsupportedError, match="atomic_rmw"):
         nl.atomic_rmw
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_select_reduce_against_numpy(reverse):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((128, 96)).astype(np.float32)
+    pred = (rng.random((128, 96)) > 0.5).astype(np.uint8)
+    fill = rng.standard_normal((128, 1)).astype(np.float32)
+
+    @nki.jit
+    def k(x, pred, fill):
+        t, p, f = nl.load(x), nl.load(pred), nl.load(fill)
+        d = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.sbuf)
+        m = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.select_reduce(dst=d, predicate=p, on_true=t, on_false=f, reduce_res=m,
+                           reduce_op=nl.maximum, reverse_pred=reverse)
+        d2 = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.select_reduce(dst=d2, predicate=p, on_true=t, on_false=-1.0)
+        out = nl.ndarray((128, 2 * 96 + 1), dtype=nl.float32, buffer=nl.shared_hbm)
+        nl.store(out[:, 0:96], d)
+        nl.store(out[:, 96:192], d2)
+        nl.store(out[:, 192:193], m)
+        return out
+    r = k(x, pred, fill)
+    keep = (pred != 0) != reverse
+    ref = np.where(keep, x, fill)
+    np.testing.assert_array_equal(r[:, :96], ref)
+    np.testing.assert_array_equal(r[:, 96:192], np.where(pred != 0, x, -1.0))
+    np.testing.assert_array_equal(r[:, 192], ref.max(axis=1))
+
+
+def test_select_reduce_rules():
+    @nki.jit
+    def k(x):
+        t = nl.load(x)
+        d = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.select_reduce(dst=d, predicate=t, on_true=t, on_false=0.0)  # PRED
+    with pytest.raises(nki.errors.DtypeLegalityError, match=r"predicate dtype .*\(at .*test_isa.py"):
+        k(np.zeros((128, 8), np.float32))

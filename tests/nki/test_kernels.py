@@ -122,6 +122,28 @@ def test_loops_fori_while_and_deprecated_ranges():
     np.testing.assert_array_equal(k(a), 0.5 * 11)
 
 
+def test_dynamic_offsets_from_registers():
+    # Offsets read from device memory into registers select the rows and columns to copy.
+    @nki.jit
+    def gather_blocks(a, offs):
+        n = offs.shape[1]
+        out = nl.ndarray((n * 32, 64), dtype=a.dtype, buffer=nl.shared_hbm)
+        o = nl.load(offs)
+        r = nisa.register_alloc(0)
+        for j in range(n):
+            nisa.register_load(r, o[0:1, j:j + 1])
+            t = nl.ndarray((32, 64), dtype=a.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=t, src=a[nl.ds(r, 32), nl.ds(r, 64)])
+            nl.store(out[j * 32:(j + 1) * 32, :], t)
+        return out
+    a = np.arange(256 * 256, dtype=np.float32).reshape(256, 256)
+    offs = np.array([[5, 0, 100, 7]], np.int32)
+    ref = np.concatenate([a[o:o + 32, o:o + 64] for o in offs[0]])
+    np.testing.assert_array_equal(gather_blocks(a, offs), ref)
+    with pytest.raises(nki.errors.IndexOutOfBoundsError, match="out of bounds"):
+        gather_blocks(a, np.array([[230]], np.int32))
+
+
 def test_indexing_ds_arange_mgrid():
     @nki.jit
     def k(a):
