@@ -34,6 +34,12 @@ _register()
 
 from .cost_model import modelled_time, reset_modelled_time  # noqa: E402
 
+# torch.compile support: registers neuron with Dynamo and Inductor lazily, when they are
+# first imported (importing them here would slow down ``import torch``).
+from .compile import _install_hooks as _install_compile_hooks  # noqa: E402
+
+_install_compile_hooks()
+
 
 def __getattr__(name):
     # ``torch_neuronx.nki_op`` loads the NKI integration on first use, so ``import torch``

@@ -1,0 +1,224 @@
+"""Fused-kernel code generation for the neuron device.
+
+Device memory of the virtual NeuronCore is host memory, so the kernels Inductor's C++ (CPU)
+backend generates can read and write neuron buffers in place: a neuron tensor's
+``data_ptr()`` is a host address. This module plugs that code generator into Inductor for
+the ``neuron`` device:
+
+- ``NeuronScheduling``: Inductor's ``CppScheduling`` (loop fusion, vectorisation, OpenMP),
+  which also records for every fused kernel what it costs on Trainium (``cost.py``);
+- ``NeuronWrapperCodegen``: the Python wrapper that allocates neuron buffers and launches
+  the kernels, calling them as CPU kernels (no copy to CPU: the pointers are the device
+  buffers), and which tells the cost model each time the compiled graph runs;
+- ``register()``: makes Inductor use both for ``neuron`` (idempotent).
+
+``compile_aten_graph(gm, example_inputs)`` is the entry point for code that is not Dynamo,
+e.g. Adaptive Eager Execution fusing a queued sequence of eager ops:
+
+    >>> fn = compile_aten_graph(gm, [a, b])   # gm: torch.fx.GraphModule of ATen ops
+    >>> outs = fn(a, b)                         # neuron tensors in, list of neuron tensors out
+
+It takes an FX ``GraphModule`` whose nodes call ATen ops (``torch.ops.aten.*``; a graph of
+``torch.*`` functions works as well), the example inputs (neuron tensors, or SymInts/ints),
+and returns a callable taking the same positional inputs and returning the graph's outputs
+as a list. It does not run Dynamo; it runs AOTAutograd's functionalisation (so in-place ops
+are allowed), the Neuron decompositions and passes, and Inductor lowering with this code
+generator. Results go through Inductor's FX graph cache, so an identical graph is compiled
+once per cache directory.
+"""
+from __future__ import annotations
+
+import functools
+import torch
+
+_DEVICE = "neuron"
+
+
+def _patch_inductor_host_checks() -> None:
+    """Make Inductor's "is this the C++ host backend?" questions answer yes for neuron.
+
+    Inductor asks ``device.type == "cpu"`` in places that really mean "the code generator is
+    C++ on host memory" (fusion legality, which ops-handler dialect to use, reduction
+    thresholds). For neuron the answer is the same as for CPU, so those few predicates
+    are widened; everything else (devices of buffers, allocation) stays ``neuron``.
+    """
+    import sys
+
+    from torch._inductor import config, ir, scheduler, utils
+
+    if getattr(utils.get_current_backend, "_neuron", False):
+        return
+    inner_backend = utils.get_current_backend
+
+    def get_current_backend(device_type=None):
+        from torch._inductor.virtualized import V
+        if not device_type:
+            device_type = V.graph.get_current_device_or_throw().type
+        if device_type == _DEVICE:
+            return config.cpu_backend
+        return inner_backend(device_type)
+
+    get_current_backend._neuron = True
+    for name in ("torch._inductor.utils", "torch._inductor.codegen.common",
+                 "torch._inductor.scheduler", "torch._inductor.kernel.mm_common"):
+        mod = sys.modules.get(name)
+        if mod is not None and getattr(mod, "get_current_backend", None) is inner_backend:
+            mod.get_current_backend = get_current_backend
+
+    inner_is_cpu = ir.is_cpu
+
+    def is_cpu(x) -> bool:
+        return inner_is_cpu(x) or ir.get_device_type(x) == _DEVICE
+
+    ir.is_cpu = is_cpu
+
+    def node_is_cpu(self) -> bool:
+        device = self.get_device()
+        return device is not None and device.type in ("cpu", _DEVICE)
+
+    scheduler.BaseSchedulerNode.is_cpu = node_is_cpu
+
+
+@functools.cache
+def _classes():
+    # Inductor is imported only when something compiles; keep ``import torch`` fast.
+    from torch._inductor.codegen.cpp import CppScheduling
+    from torch._inductor.codegen.wrapper import PythonWrapperCodegen, SubgraphPythonWrapperCodegen
+    from torch._inductor.virtualized import V
+
+    from . import cost
+
+    _patch_inductor_host_checks()
+
+    class NeuronScheduling(CppScheduling):
+        """Inductor's C++ scheduling; each fused kernel is also costed for Trainium."""
+
+        def define_kernel(self, src_code, nodes, kernel_args=None):
+            # One definition per emitted kernel launch (flush or template): cost it here.
+            cost.record_kernel_nodes(nodes)
+            return super().define_kernel(src_code, nodes, kernel_args)
+
+    class NeuronWrapperCodegen(PythonWrapperCodegen):
+        """Python wrapper launching C++ kernels on neuron buffers (device memory = host)."""
+
+        @staticmethod
+        def create(is_subgraph, subgraph_name, parent_wrapper, partition_signatures=None):
+            if is_subgraph:
+                return SubgraphPythonWrapperCodegen(subgraph_name, parent_wrapper,
+                                                    partition_signatures)
+            return NeuronWrapperCodegen()
+
+        def write_header(self) -> None:
+            super().write_header()
+            self.header.splice("import torch_neuronx.compile.cost as _neuron_cost")
+
+        def _generate_kernel_call_helper(self, kernel_name, call_args, *, device=None,
+                                         **kwargs):
+            device = device or V.graph.get_current_device_or_throw()
+            if device.type == _DEVICE:
+                # The kernel is a host function over raw pointers; launch it as a CPU one.
+                device = torch.device("cpu")
+            super()._generate_kernel_call_helper(kernel_name, call_args, device=device,
+                                                 **kwargs)
+
+        def generate_return(self, output_refs) -> None:
+            # Emitted last in call(), once every kernel is known (symbolic sizes are bound
+            # by then): the graph's modelled cost is charged on every run.
+            graph_cost = cost.wrapper_cost_expr()
+            if graph_cost is not None:
+                self.wrapper_call.writeline(graph_cost)
+            super().generate_return(output_refs)
+
+    return NeuronScheduling, NeuronWrapperCodegen
+
+
+class _Forward(type):
+    # Inductor wants classes (it checks isinstance(..., type) and reads class attributes
+    # such as supports_caching); these stand-ins forward to the real classes, which are
+    # built on first use so that registering imports nothing heavy.
+    def __getattr__(cls, name):
+        return getattr(_classes()[cls._index], name)
+
+
+class _LazyScheduling(metaclass=_Forward):
+    _index = 0
+
+    def __new__(cls, scheduler):
+        return _classes()[0](scheduler)
+
+
+class _LazyWrapperCodegen(metaclass=_Forward):
+    _index = 1
+
+
+def register_inductor() -> None:
+    """Make Inductor generate code for ``neuron`` with the classes above.
+
+    Safe to call while ``torch._inductor.codegen.common`` is still being imported by
+    someone else: only constructors are stored, the classes are built on first use.
+    """
+    from torch._inductor.codegen import common
+
+    if common.get_scheduling_for_device(_DEVICE) is _LazyScheduling:
+        return
+    from .passes import NeuronPostGradPass
+
+    common.register_backend_for_device(_DEVICE, _LazyScheduling, _LazyWrapperCodegen,
+                                       device_custom_pass=NeuronPostGradPass())
+
+    class _Overrides(common.DeviceOpOverrides):
+        # Snippets Inductor's wrapper emits for device management on neuron.
+        def import_get_raw_stream_as(self, name: str) -> str:
+            return f"def {name}(_):\n    return 0\n"
+
+        def set_device(self, device_idx: int) -> str:
+            return f"torch.neuron.set_device({device_idx})"
+
+        def synchronize(self) -> str:
+            return "torch.neuron.synchronize()"
+
+        def device_guard(self, device_idx: int) -> str:
+            return f"torch.neuron.device({device_idx})"
+
+        def cpp_kernel_type(self) -> str:
+            return "void*"
+
+    common.register_device_op_overrides(_DEVICE, _Overrides())
+
+
+def register_dynamo() -> None:
+    """Give Dynamo the neuron ``DeviceInterface`` (idempotent)."""
+    from torch._dynamo.device_interface import device_interfaces, register_interface_for_device
+
+    from .device_interface import NeuronInterface
+
+    if device_interfaces.get(_DEVICE) is NeuronInterface:
+        return
+    register_interface_for_device(_DEVICE, NeuronInterface)
+    for i in range(torch.neuron.device_count()):
+        register_interface_for_device(f"{_DEVICE}:{i}", NeuronInterface)
+
+
+def register() -> None:
+    """Register the neuron device with Dynamo and Inductor (idempotent)."""
+    register_dynamo()
+    register_inductor()
+
+
+def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs, *, decompositions=None):
+    """Compile ``gm`` (an FX graph of ATen ops) for neuron; see the module docstring.
+
+    Returns a callable ``fn(*inputs) -> list[Tensor]``. ``example_inputs`` must match what
+    the callable will receive (dtypes, devices, ranks; sizes are specialised unless they are
+    SymInts).
+    """
+    from .backend import _compile_graph
+
+    compiled = _compile_graph(gm, list(example_inputs), decompositions=decompositions)
+
+    def run(*inputs):
+        out = compiled(*inputs)
+        return list(out) if isinstance(out, (tuple, list)) else [out]
+
+    run.__name__ = f"neuron_compiled_{getattr(gm, '_get_name', lambda: 'graph')()}"
+    return run
