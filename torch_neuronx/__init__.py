@@ -34,6 +34,12 @@ _register()
 
 from .cost_model import modelled_time, reset_modelled_time  # noqa: E402
 
+# The "neuron" c10d backend: only registers a name with torch.distributed (already imported
+# by ``import torch``); the process group module loads when a group is created.
+from .distributed import _register as _register_distributed  # noqa: E402
+
+_register_distributed()
+
 # torch.compile support: registers neuron with Dynamo and Inductor lazily, when they are
 # first imported (importing them here would slow down ``import torch``).
 from .compile import _install_hooks as _install_compile_hooks  # noqa: E402

@@ -205,3 +205,18 @@ def _add_kernel_time(device, name: str, seconds: float) -> None:
     t.launches += 1
     t.by_op[name] += seconds
     t.by_engine["nki"] += seconds
+
+
+def _add_time(device: int, name: str, seconds: float, nbytes: int = 0) -> None:
+    """Add modelled time that no executed op records: a collective on the interconnect
+    (torch_neuronx.distributed calls this with the collective's name and bytes moved)."""
+    cfg = _state.config()
+    t = _totals.setdefault(device, ModelledTime(platform=cfg.profile.name, device=device))
+    t.seconds += seconds
+    t.launches += 1
+    t.by_op[name] += seconds
+    t.by_engine["collective"] += seconds
+    _collective_bytes[device] = _collective_bytes.get(device, 0) + nbytes
+
+
+_collective_bytes: dict = {}  # bytes each device moved through collectives (not HBM traffic)
