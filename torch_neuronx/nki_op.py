@@ -30,16 +30,9 @@ import typing
 
 import torch
 
+from nki.simulator.torch_io import np_dtype, torch_dtype_of
+
 __all__ = ["nki_op"]
-
-
-def _np_dtype(dtype: torch.dtype):
-    import ml_dtypes
-    import numpy as np
-    name = str(dtype).replace("torch.", "")
-    special = {"bfloat16": ml_dtypes.bfloat16, "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
-               "float8_e5m2": ml_dtypes.float8_e5m2, "bool": np.bool_}
-    return special.get(name) or np.dtype(name)
 
 
 def _signature(func):
@@ -86,7 +79,7 @@ def _auto_fake(kernel, sig):
         device = next((v.device for v in bound.arguments.values() if isinstance(v, torch.Tensor)), None)
         metas = cache.get(key)
         if metas is None:
-            np_args = {k: (np.zeros(kv[1][1], _np_dtype(kv[1][2])) if kv[1][0] == "T" else bound.arguments[k])
+            np_args = {k: (np.zeros(kv[1][1], np_dtype(kv[1][2])) if kv[1][0] == "T" else bound.arguments[k])
                        for k, kv in zip(bound.arguments, key)}
             from nki.simulator.runner import run
             out, _ = run(kernel.func, (), np_args, kernel.grid, kernel.target)
@@ -100,16 +93,11 @@ def _metas(out):
     if out is None:
         return None
     if isinstance(out, np.ndarray):
-        return ("T", out.shape, _torch_dtype(out.dtype))
+        return ("T", out.shape, torch_dtype_of(out.dtype))
     if isinstance(out, (tuple, list)):
         return (type(out), [_metas(o) for o in out])
     raise TypeError(f"nki_op: kernel returned {type(out).__name__}; return a tensor, a tuple of "
                     f"tensors or None")
-
-
-def _torch_dtype(np_dtype):
-    name = np_dtype.name
-    return torch.bool if name == "bool" else getattr(torch, name)
 
 
 def _empties(meta, device):

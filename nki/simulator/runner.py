@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import sys
 import time
 
 import numpy as np
@@ -68,8 +69,9 @@ def _latency_ns(sim):
     return max((tl.end for tl in sim.timelines), default=0.0)
 
 
-def run(func, args, kwargs, grid=(), target=None, timing=False):
-    """Execute func once per grid position; returns (outputs, sim)."""
+def run(func, args, kwargs, grid=(), target=None, timing=False, readonly_inputs=False):
+    """Execute func once per grid position; returns (outputs, sim). ``readonly_inputs``: a
+    write to an input is an error (the caller promised PyTorch the kernel is functional)."""
     tensors = [a for a in list(args) + list(kwargs.values()) if torch_io.is_torch(a)]
     device = tensors[0].device if tensors else None
     if any(t.device != device for t in tensors):
@@ -107,6 +109,11 @@ def run(func, args, kwargs, grid=(), target=None, timing=False):
                 result = r
         for a in list(wargs) + list(wkw.values()):
             if isinstance(a, NkiTensor):
+                if readonly_inputs and a.buf.written:
+                    raise E.NkiError(
+                        f"NKI kernel {getattr(func, '__name__', func)!r} wrote its input "
+                        f"{a.name!r} inside torch.compile; declare the mutation with "
+                        f"torch_neuronx.nki_op(name, kernel, mutates_args=...)")
                 _write_back(a)
         out = _outputs(result, device, func)
         if on_device:
@@ -156,18 +163,40 @@ class BenchmarkResult:
     __repr__ = summary
 
 
+# Kernel functions by key, so a torch.compile graph node (nki_jit::call) can name its kernel.
+KERNEL_FUNCS: dict = {}
+
+
+def func_key(func) -> str:
+    return f"{func.__module__}.{func.__qualname__}#{id(func)}"
+
+
+def _torch_compiling() -> bool:
+    t = sys.modules.get("torch")
+    return t is not None and t.compiler.is_compiling()
+
+
 class Kernel:
     """A kernel made by ``nki.jit``: call it (simulated), index it with a grid."""
 
     def __init__(self, func, grid=(), target=None, **options):
         functools.update_wrapper(self, func)
         self.func, self.grid, self.target, self.options = func, grid, target, options
+        self._nki_key = key = func_key(func)       # computed here: a compile trace reads it
+        if key not in KERNEL_FUNCS:
+            KERNEL_FUNCS[key] = func
+            if "torch" in sys.modules:
+                # Register the nki_jit::call op now: a torch.compile trace must not import it.
+                from . import torch_op  # noqa: F401
 
     def __getitem__(self, grid):
         g = tuple(grid) if isinstance(grid, (tuple, list)) else (int(grid),)
         return Kernel(self.func, g, self.target, **self.options)
 
     def __call__(self, *args, **kwargs):
+        if _torch_compiling():
+            from . import torch_op
+            return torch_op.call(self, args, kwargs)
         out, _ = run(self.func, args, kwargs, self.grid, self.target)
         return out
 

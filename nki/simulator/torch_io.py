@@ -108,3 +108,18 @@ def to_torch(a: np.ndarray, device):
     out = torch.empty(cpu.shape, dtype=cpu.dtype, device=device)
     host_view(out)[...] = host_view(cpu)
     return out
+
+
+def np_dtype(dtype):
+    """The NumPy (or ml_dtypes) dtype of a torch dtype."""
+    name = str(dtype).replace("torch.", "")
+    if name in _BITS:
+        return np.dtype(_BITS[name][1])
+    return np.dtype(np.bool_ if name == "bool" else name)
+
+
+def torch_dtype_of(np_dt):
+    """The torch dtype of a NumPy (or ml_dtypes) dtype."""
+    import torch
+    name = np.dtype(np_dt).name
+    return torch.bool if name == "bool" else getattr(torch, name)

@@ -217,6 +217,31 @@ def test_nki_op_is_one_node_in_compiled_graph(device):
     torch.testing.assert_close(out.cpu(), torch.softmax(x.cpu() * 2, -1) + 1, rtol=1e-5, atol=1e-6)
 
 
+@nki.jit
+def scaled_add_kernel(a, b, scale=1.0):
+    out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+    nl.store(out, nl.multiply(nl.add(nl.load(a), nl.load(b)), scale))
+    return out
+
+
+@pytest.mark.parametrize("device", ["cpu", "neuron"])
+def test_jit_kernel_inside_compile_is_one_node(device):
+    # AWS: a bare @nki.jit call inside torch.compile becomes one node of the captured graph.
+    a, b = _rand(128, 64).to(device), _rand(128, 64, seed=1).to(device)
+    graphs, out = _graphs(lambda x, y: scaled_add_kernel(x * 2, y, scale=0.5) + 1, a, b)
+    calls = [n for g in graphs for n in g.graph.nodes if "nki_jit.call" in str(n.target)]
+    assert len(graphs) == 1 and len(calls) == 1
+    assert out.device.type == device
+    torch.testing.assert_close(out.cpu(), (a.cpu() * 2 + b.cpu()) * 0.5 + 1)
+
+
+def test_jit_kernel_writing_input_inside_compile_needs_nki_op():
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: scale_inplace_kernel(x, 2.0), backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="mutates_args"):
+        f(_rand(128, 8))
+
+
 def test_nki_op_compiled_training_step_matches_cpu():
     op = _mul_op_with_autograd()
     a, b = _rand(128, 32), _rand(128, 32, seed=1)
@@ -244,3 +269,7 @@ def test_nki_op_with_neuron_backend():
     torch._dynamo.reset()
     r = torch.compile(lambda x, y: op(x, y) * 2, backend="neuron")(a.to("neuron"), b.to("neuron"))
     torch.testing.assert_close(r.cpu(), (a + b) * 2)
+    torch._dynamo.reset()
+    r = torch.compile(lambda x, y: scaled_add_kernel(x, y, scale=3.0) - 1, backend="neuron")(
+        a.to("neuron"), b.to("neuron"))
+    torch.testing.assert_close(r.cpu(), (a + b) * 3 - 1)
