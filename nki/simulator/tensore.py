@@ -89,6 +89,16 @@ class _Pool:
 _pool = None
 
 
+def _forget_pool():
+    # A forked child has none of the parent's worker threads: start a fresh pool there.
+    global _pool
+    _pool = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
 def pool() -> _Pool:
     global _pool
     if _pool is None:

@@ -190,3 +190,19 @@ def test_kernel_writes_inputs_in_place():
     abf = np.ones((128, 4), BF16)
     k(abf)
     np.testing.assert_array_equal(abf.astype(np.float32), 2)
+
+
+def test_matmul_in_forked_child_after_parent_used_gemm_workers():
+    # GEMM worker threads do not survive fork; the child must start its own.
+    import os
+    from nki.examples.matmul import matmul_basic
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((256, 128)).astype(np.float32)
+    b = rng.standard_normal((256, 512)).astype(np.float32)
+    np.testing.assert_allclose(matmul_basic(a, b), a.T @ b, rtol=1e-4, atol=1e-4)
+    pid = os.fork()
+    if pid == 0:
+        ok = np.allclose(matmul_basic(a, b), a.T @ b, rtol=1e-4, atol=1e-4)
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
