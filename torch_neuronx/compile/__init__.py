@@ -53,7 +53,13 @@ def _on_inductor_common(_module) -> None:
     codegen.register_inductor()
 
 
-_HOOKS = {"torch._dynamo": _on_dynamo, "torch._inductor.codegen.common": _on_inductor_common}
+def _on_flex_attention(_module) -> None:
+    from . import flex
+    flex.allow_neuron_device()
+
+
+_HOOKS = {"torch._dynamo": _on_dynamo, "torch._inductor.codegen.common": _on_inductor_common,
+          "torch.nn.attention.flex_attention": _on_flex_attention}
 
 
 class _PostImportHook(importlib.abc.MetaPathFinder):

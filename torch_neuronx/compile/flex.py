@@ -1,6 +1,282 @@
-"""FlexAttention on neuron (filled in below)."""
+"""FlexAttention on neuron: a block-sparse attention op, forward and backward.
+
+``torch.nn.attention.flex_attention`` reaches compiled graphs as the ``flex_attention``
+higher-order op, carrying the ``score_mod`` and ``mask_mod`` subgraphs and a ``BlockMask``
+(per query block: the key/value blocks that are partly masked and those that are fully
+visible). ``rewrite`` replaces it in the Dynamo graph by ``torch.ops.neuron.flex_attention``,
+whose backward is ``torch.ops.neuron.flex_attention_backward`` (registered autograd), so
+AOTAutograd produces forward and backward graphs and Inductor calls the ops as kernels.
+
+The op walks the query blocks; for each it gathers only the key/value blocks the block
+mask lists for it (the union over batch and heads), computes scores for those blocks,
+applies ``score_mod`` (vectorised with vmap, as PyTorch's reference does) and ``mask_mod``
+(partial blocks only), and a softmax over the visited blocks. Blocks the mask leaves out
+are never loaded or multiplied: a causal mask does about half the work of a full one.
+The backward recomputes each query block's forward under autograd (as flash attention
+recomputes scores) and back-propagates through it, so any differentiable ``score_mod``
+works, including captured buffers that require grad.
+
+The subgraphs cannot be operator arguments, so they live in a registry keyed by a hash
+of their code; the key is a string argument of the op. ``rewrite`` runs on every
+compile, also when the compiled graph comes from the persistent cache, so a key is always
+registered in the process that runs the op.
+"""
 from __future__ import annotations
 
+import hashlib
+import math
 
-def rewrite(gm):
+import torch
+
+_FN_REGISTRY: dict = {}
+_LN2 = math.log(2.0)
+
+
+def _gm_key(gm) -> str:
+    h = hashlib.sha256()
+    if gm is None:
+        return "none"
+    h.update(gm.code.encode())
+    for name, t in sorted(list(gm.named_buffers()) + list(gm.named_parameters())):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    for name in sorted(n.target for n in gm.graph.nodes if n.op == "get_attr"):
+        sub = getattr(gm, name, None)
+        if isinstance(sub, torch.fx.GraphModule):
+            h.update(_gm_key(sub).encode())
+        elif isinstance(sub, torch.Tensor):
+            h.update(sub.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:24]
+
+
+def _register_fns(score_mod, mask_mod) -> str:
+    key = f"{_gm_key(score_mod)}-{_gm_key(mask_mod)}"
+    _FN_REGISTRY[key] = (score_mod, mask_mod)
+    return key
+
+
+def _identity_score(score, b, h, q, kv, *bufs):
+    return score
+
+
+def _fns(key: str):
+    try:
+        return _FN_REGISTRY[key]
+    except KeyError:
+        raise RuntimeError(f"neuron flex_attention: the score_mod/mask_mod of key {key!r} are "
+                           "not registered in this process (the graph must be compiled by "
+                           "the neuron backend)") from None
+
+
+def _members(num, idx, n_blocks):
+    """[..., n_blocks] bool: which kv blocks the first ``num`` entries of ``idx`` list."""
+    listed = torch.arange(idx.shape[-1]) < num[..., None]
+    counts = torch.zeros(*idx.shape[:-1], n_blocks, dtype=torch.int32)
+    counts.scatter_add_(-1, idx.long().clamp(0, n_blocks - 1), listed.int())
+    return counts > 0
+
+
+def _attend(q, k, v, kv_num, kv_idx, full_num, full_idx, score_bufs, mask_bufs, key,
+            scale, q_block, kv_block):
+    """Differentiable block-sparse attention; returns (out, lse, max) in natural-log units."""
+    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+
+    score_mod, mask_mod = _fns(key)
+    score_mod = score_mod or _identity_score
+    B, Hq, L, E = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if Hq != Hkv:   # grouped-query attention: each kv head serves Hq // Hkv query heads
+        k = k.repeat_interleave(Hq // Hkv, dim=1)
+        v = v.repeat_interleave(Hq // Hkv, dim=1)
+    if k.shape[0] != B:
+        k, v = k.expand(B, *k.shape[1:]), v.expand(B, *v.shape[1:])
+    wp = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dev = q.device
+    # Block bookkeeping is tiny and decides the loop structure: read it on the host.
+    kv_num_c, kv_idx_c = kv_num.cpu(), kv_idx.cpu()
+    full_num_c = full_num.cpu() if full_num is not None else None
+    full_idx_c = full_idx.cpu() if full_idx is not None else None
+    n_kv_blocks = -(-S // kv_block)
+    # score_mod / mask_mod are written for scalars; broadcasting index tensors laid out
+    # along [b, h, q, kv] evaluates them for a whole tile at once. (PyTorch's reference
+    # uses vmap, which is not available here: compiled graphs run with functorch off.)
+    b_idx = torch.arange(B, device=dev).view(B, 1, 1, 1)
+    h_idx = torch.arange(Hq, device=dev).view(1, Hq, 1, 1)
+    outs, lses, maxes = [], [], []
+    for qb in range(-(-L // q_block)):
+        q0, q1 = qb * q_block, min(L, (qb + 1) * q_block)
+        qi = min(qb, kv_num_c.shape[-1] - 1)
+        # Membership of each kv block for every (b, h) of the mask, partial and full.
+        part = _members(kv_num_c[..., qi], kv_idx_c[..., qi, :], n_kv_blocks)
+        full = (_members(full_num_c[..., qi], full_idx_c[..., qi, :], n_kv_blocks)
+                if full_num_c is not None else torch.zeros_like(part))
+        blocks = torch.nonzero((part | full).flatten(0, 1).any(0)).flatten().tolist()
+        qs = q[:, :, q0:q1].to(wp)
+        m_pos = torch.arange(q0, q1, device=dev).view(1, 1, -1, 1)
+        if not blocks:
+            outs.append(torch.zeros(B, Hq, q1 - q0, v.shape[-1], dtype=q.dtype, device=dev))
+            lses.append(torch.full((B, Hq, q1 - q0), -math.inf, dtype=wp, device=dev))
+            maxes.append(torch.full((B, Hq, q1 - q0), -math.inf, dtype=wp, device=dev))
+            continue
+        n_pos = torch.cat([torch.arange(j * kv_block, min(S, (j + 1) * kv_block))
+                           for j in blocks]).to(dev)
+        ks = k.index_select(2, n_pos).to(wp)
+        vs = v.index_select(2, n_pos)
+        scores = (qs @ ks.transpose(-2, -1)) * scale
+        n_b = n_pos.view(1, 1, 1, -1)
+        with TransformGetItemToIndex():
+            modded = score_mod(scores, b_idx, h_idx, m_pos, n_b, *score_bufs)
+            allowed = mask_mod(b_idx, h_idx, m_pos, n_b, *mask_bufs)
+        modded = modded.to(wp).expand_as(scores)
+        allowed = allowed.expand(B, -1, *scores.shape[2:]) if allowed.dim() == 4 else allowed
+        # Per (b, h): full blocks are visible as a whole, partial ones where mask_mod says
+        # so, unlisted ones not at all.
+        sizes = [min(S, (j + 1) * kv_block) - j * kv_block for j in blocks]
+        is_full = full[:, :, blocks].repeat_interleave(torch.tensor(sizes), dim=-1)
+        is_part = part[:, :, blocks].repeat_interleave(torch.tensor(sizes), dim=-1)
+        is_full, is_part = is_full.to(dev)[:, :, None, :], is_part.to(dev)[:, :, None, :]
+        allowed = is_full | (is_part & allowed)
+        modded = modded.masked_fill(~allowed, -math.inf)
+        row_max = modded.amax(-1, keepdim=True)
+        safe_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+        p = torch.exp(modded - safe_max.detach())
+        denom = p.sum(-1, keepdim=True)
+        out = (p / torch.where(denom == 0, torch.ones_like(denom), denom)).to(q.dtype) @ vs
+        lse = torch.where(denom == 0, torch.full_like(denom, -math.inf),
+                          torch.log(denom) + safe_max)
+        outs.append(out)
+        lses.append(lse.squeeze(-1))
+        maxes.append(row_max.squeeze(-1))
+    return torch.cat(outs, 2), torch.cat(lses, 2), torch.cat(maxes, 2)
+
+
+_lib = None
+
+
+def _define_ops() -> None:
+    global _lib
+    if _lib is not None:
+        return
+    lib = torch.library.Library("neuron", "FRAGMENT")
+    lib.define(
+        "flex_attention(Tensor q, Tensor k, Tensor v, Tensor kv_num_blocks, Tensor kv_indices, "
+        "Tensor? full_kv_num_blocks, Tensor? full_kv_indices, Tensor[] score_buffers, "
+        "Tensor[] mask_buffers, str fn_key, float scale, int q_block, int kv_block) "
+        "-> (Tensor, Tensor, Tensor)")
+    lib.define(
+        "flex_attention_backward(Tensor q, Tensor k, Tensor v, Tensor grad_out, "
+        "Tensor kv_num_blocks, Tensor kv_indices, Tensor? full_kv_num_blocks, "
+        "Tensor? full_kv_indices, Tensor[] score_buffers, Tensor[] mask_buffers, str fn_key, "
+        "float scale, int q_block, int kv_block) -> (Tensor, Tensor, Tensor, Tensor[])")
+
+    def fwd(q, k, v, kv_num, kv_idx, full_num, full_idx, score_bufs, mask_bufs, key, scale,
+            q_block, kv_block):
+        with torch.no_grad():
+            out, lse, mx = _attend(q, k, v, kv_num, kv_idx, full_num, full_idx, score_bufs,
+                                   mask_bufs, key, scale, q_block, kv_block)
+        # Same units as PyTorch's flex_attention op: log2 (the caller multiplies by ln 2).
+        return out, (lse / _LN2).float(), (mx / _LN2).float()
+
+    def bwd(q, k, v, grad_out, kv_num, kv_idx, full_num, full_idx, score_bufs, mask_bufs, key,
+            scale, q_block, kv_block):
+        with torch.enable_grad():
+            qd, kd, vd = (t.detach().requires_grad_(True) for t in (q, k, v))
+            bufs = [b.detach().requires_grad_(b.is_floating_point()) for b in score_bufs]
+            out, _, _ = _attend(qd, kd, vd, kv_num, kv_idx, full_num, full_idx, bufs,
+                                mask_bufs, key, scale, q_block, kv_block)
+            wrt = [qd, kd, vd] + [b for b in bufs if b.requires_grad]
+            grads = torch.autograd.grad(out, wrt, grad_out, allow_unused=True)
+        grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, wrt)]
+        it = iter(grads[3:])
+        buf_grads = [next(it) if b.requires_grad else torch.zeros_like(b) for b in bufs]
+        return grads[0], grads[1], grads[2], buf_grads
+
+    def fwd_fake(q, k, v, kv_num, kv_idx, full_num, full_idx, score_bufs, mask_bufs, key, scale,
+                 q_block, kv_block):
+        B, H, L, _ = q.shape
+        out = q.new_empty(B, H, L, v.shape[-1])
+        return out, q.new_empty(B, H, L, dtype=torch.float32), \
+            q.new_empty(B, H, L, dtype=torch.float32)
+
+    def bwd_fake(q, k, v, grad_out, kv_num, kv_idx, full_num, full_idx, score_bufs, mask_bufs,
+                 key, scale, q_block, kv_block):
+        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+                [torch.empty_like(b) for b in score_bufs])
+
+    for dk in ("CompositeExplicitAutograd",):
+        lib.impl("flex_attention", fwd, dk)
+        lib.impl("flex_attention_backward", bwd, dk)
+    torch.library.register_fake("neuron::flex_attention", fwd_fake, lib=lib)
+    torch.library.register_fake("neuron::flex_attention_backward", bwd_fake, lib=lib)
+
+    def setup_context(ctx, inputs, output):
+        (q, k, v, kv_num, kv_idx, full_num, full_idx, score_bufs, mask_bufs, key, scale,
+         q_block, kv_block) = inputs
+        ctx.save_for_backward(q, k, v, kv_num, kv_idx,
+                              *(t for t in (full_num, full_idx) if t is not None),
+                              *score_bufs, *mask_bufs)
+        ctx.meta = (full_num is not None, len(score_bufs), len(mask_bufs), key, scale,
+                    q_block, kv_block)
+
+    def backward(ctx, grad_out, _grad_lse, _grad_max):
+        has_full, n_s, n_m, key, scale, q_block, kv_block = ctx.meta
+        saved = list(ctx.saved_tensors)
+        q, k, v, kv_num, kv_idx = saved[:5]
+        rest = saved[5:]
+        full_num, full_idx = (rest[0], rest[1]) if has_full else (None, None)
+        rest = rest[2:] if has_full else rest
+        score_bufs, mask_bufs = rest[:n_s], rest[n_s:n_s + n_m]
+        dq, dk, dv, dbufs = torch.ops.neuron.flex_attention_backward(
+            q, k, v, grad_out.contiguous(), kv_num, kv_idx, full_num, full_idx, score_bufs,
+            mask_bufs, key, scale, q_block, kv_block)
+        # Same structure as the inputs: list arguments get lists of gradients.
+        return (dq, dk, dv, None, None, None, None, list(dbufs), [None] * n_m, None, None,
+                None, None)
+
+    torch.library.register_autograd("neuron::flex_attention", backward,
+                                    setup_context=setup_context, lib=lib)
+    _lib = lib
+
+
+def rewrite(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Replace ``higher_order.flex_attention`` nodes of a Dynamo graph by neuron ops."""
+    hop = torch.ops.higher_order.flex_attention
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is hop]
+    if not nodes:
+        return gm
+    _define_ops()
+    for node in nodes:
+        (q, k, v, score_node, block_mask, scale, kernel_options, score_bufs,
+         mask_bufs) = node.args[:9]
+        (_, _, kv_num, kv_idx, full_num, full_idx, *_rest) = block_mask
+        q_block, kv_block, mask_node = block_mask[-3], block_mask[-2], block_mask[-1]
+        score_mod = getattr(gm, score_node.target) if score_node is not None else None
+        mask_mod = getattr(gm, mask_node.target)
+        key = _register_fns(score_mod, mask_mod)
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(
+                torch.ops.neuron.flex_attention.default,
+                (q, k, v, kv_num, kv_idx, full_num, full_idx, list(score_bufs),
+                 list(mask_bufs), key, float(scale), int(q_block), int(kv_block)))
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
     return gm
+
+
+def allow_neuron_device() -> None:
+    """Let ``flex_attention`` accept neuron tensors (PyTorch lists the devices it knows)."""
+    import torch.nn.attention.flex_attention as fa
+    inner = fa._validate_device
+    if getattr(inner, "_neuron", False):
+        return
+
+    def _validate_device(query, key, value):
+        if query.device.type == "neuron":
+            return
+        return inner(query, key, value)
+
+    _validate_device._neuron = True
+    fa._validate_device = _validate_device
