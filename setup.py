@@ -1,5 +1,10 @@
-from setuptools import setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension
+import os
+
+# Building must not load the (possibly stale) extension through torch's backend autoload.
+os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+
+from setuptools import setup  # noqa: E402
+from torch.utils.cpp_extension import BuildExtension, CppExtension  # noqa: E402
 
 setup(
     ext_modules=[

@@ -10,6 +10,7 @@
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/view_native.h>
+#include <ATen/native/transformers/attention.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -27,8 +28,9 @@ at::Tensor cpu_alias(const at::Tensor& t) {
   c10::Storage s(c10::Storage::use_byte_size_t(), st.nbytes(),
                  c10::DataPtr(const_cast<void*>(st.data()), c10::Device(c10::kCPU)),
                  c10::GetAllocator(c10::kCPU), /*resizable=*/true);
-  auto out = at::detail::make_tensor<c10::TensorImpl>(
-      std::move(s), c10::DispatchKeySet(c10::DispatchKey::CPU), t.dtype());
+  auto keys = c10::DispatchKeySet(c10::DispatchKey::CPU);
+  if (t._is_zerotensor()) keys = keys.add(c10::DispatchKey::ZeroTensor);
+  auto out = at::detail::make_tensor<c10::TensorImpl>(std::move(s), keys, t.dtype());
   out.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
   if (t.is_conj()) out._set_conj(true);
   if (t.is_neg()) out._set_neg(true);
@@ -38,8 +40,10 @@ at::Tensor cpu_alias(const at::Tensor& t) {
 namespace {
 
 at::Tensor wrap(c10::Storage storage, const at::Tensor& like) {
-  auto out = at::detail::make_tensor<c10::TensorImpl>(
-      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), like.dtype());
+  // Efficient zero tensors (autograd's zero gradients) have no memory: keep their key.
+  auto keys = c10::DispatchKeySet(c10::DispatchKey::PrivateUse1);
+  if (like._is_zerotensor()) keys = keys.add(c10::DispatchKey::ZeroTensor);
+  auto out = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), keys, like.dtype());
   out.unsafeGetTensorImpl()->set_sizes_and_strides(like.sizes(), like.strides(),
                                                    like.storage_offset());
   if (like.is_conj()) out._set_conj(true);
@@ -301,6 +305,17 @@ at::Tensor& set_empty(at::Tensor& self) {
   return set_storage_offset(self, std::move(st), 0, {0}, {});
 }
 
+// `module.to("neuron")` swaps a parameter's data in place (keeping tied weights tied, as
+// on CUDA) only when CPU and device tensors may share a TensorImpl type.
+bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& from) {
+  auto dense_here = [](const at::Tensor& t) {
+    return t.layout() == c10::kStrided && !t.is_quantized() && !t.is_nested() &&
+           (t.device().is_cpu() || t.device().type() == kDevice);
+  };
+  return self.unsafeGetTensorImpl()->has_compatible_shallow_copy_type(from.key_set()) ||
+         (dense_here(self) && dense_here(from));
+}
+
 void record_stream(at::Tensor& self, c10::Stream stream) {
   allocator()->recordStream(self.storage().data_ptr(), stream);
 }
@@ -350,6 +365,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable
            nbytes(grad_output) + nbytes(input) + nbytes(weight), nbytes(gi) + nbytes(gw));
   }
   return {adopt_opt(gi, d), adopt_opt(gw, d), adopt_opt(gb, d)};
+}
+
+// scaled_dot_product_attention picks its kernel through a per-device stub; CPU's choice
+// (flash attention for CPU, or math) keeps results identical to CPU.
+int64_t fused_sdp_choice(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const c10::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
+                         c10::optional<double> scale, bool enable_gqa) {
+  return at::_fused_sdp_choice(cpu_alias(q), cpu_alias(k), cpu_alias(v), alias_opt(mask),
+                               dropout_p, is_causal, scale, enable_gqa);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -576,6 +600,62 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 }
 
 }  // namespace
+}  // namespace neuron
+
+namespace at::native {
+REGISTER_PRIVATEUSE1_DISPATCH(_fused_sdp_choice_stub, &neuron::fused_sdp_choice)
+}  // namespace at::native
+
+namespace neuron {
+
+// Ops with a CPU kernel and also a composite one: the composite would win on neuron and may
+// round differently (e.g. native_layer_norm, addr, silu_backward) or take a slower out= path
+// (structured ops). Route them to CPU's own kernel through the fallback instead.
+std::unique_ptr<torch::Library> g_cpu_routes;
+
+bool handled_here(const std::string& name) {
+  static const std::set<std::string> own = {
+      "aten::empty", "aten::empty_strided", "aten::_copy_from", "aten::_copy_from_and_resize",
+      "aten::resize_", "aten::set_", "aten::view", "aten::as_strided", "aten::_reshape_alias",
+      "aten::record_stream", "aten::copy_", "aten::_to_copy", "aten::to", "aten::clone",
+      "aten::lift", "aten::lift_fresh", "aten::_local_scalar_dense"};
+  return own.count(name) > 0;
+}
+
+int route_composites_to_cpu() {
+  if (g_cpu_routes) return 0;
+  auto& disp = c10::Dispatcher::singleton();
+  g_cpu_routes = std::make_unique<torch::Library>(torch::Library::IMPL, "aten",
+                                                  c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+  int n = 0;
+  for (const auto& name : disp.getAllOpNames()) {
+    if (name.name.rfind("aten::", 0) != 0 || handled_here(name.name)) continue;
+    auto op = disp.findOp(name);
+    if (!op || !op->hasKernelForDispatchKey(c10::DispatchKey::CPU) ||
+        op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) {
+      continue;
+    }
+    bool explicit_composite =
+        op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) ||
+        op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional);
+    // An implicit composite also supplies autograd; only ops with their own derivative
+    // formula keep their gradient when a backend kernel is registered.
+    bool implicit_with_grad =
+        op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) &&
+        op->hasKernelForDispatchKey(c10::DispatchKey::Autograd);
+    if (!explicit_composite && !implicit_with_grad) continue;
+    bool is_view = false;
+    for (const auto& r : op->schema().returns()) {
+      if (r.alias_info() && !r.alias_info()->isWrite()) is_view = true;
+    }
+    if (is_view) continue;
+    std::string full = name.name.substr(6);
+    if (!name.overload_name.empty()) full += "." + name.overload_name;
+    g_cpu_routes->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
+    ++n;
+  }
+  return n;
+}
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
@@ -595,6 +675,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("as_strided", TORCH_FN(at::native::as_strided_tensorimpl));
   m.impl("_reshape_alias", TORCH_FN(at::native::_reshape_alias));
   m.impl("record_stream", TORCH_FN(record_stream));
+  m.impl("_has_compatible_shallow_copy_type", TORCH_FN(has_compatible_shallow_copy_type));
   m.impl("convolution_overrideable", TORCH_FN(convolution_overrideable));
   m.impl("convolution_backward_overrideable", TORCH_FN(convolution_backward_overrideable));
 }

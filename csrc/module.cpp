@@ -8,6 +8,7 @@
 
 namespace neuron {
 void set_recording(bool on);
+int route_composites_to_cpu();
 void set_quiet(bool on);
 bool quiet();
 std::vector<std::tuple<std::string, int, int, std::vector<int64_t>, int64_t, int64_t, int64_t>>
@@ -42,6 +43,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         [](void* ctx) { delete static_cast<c10::Storage*>(ctx); }, c10::Device(c10::kCPU)));
     return alias;
   });
+  m.def("_route_composites_to_cpu", &neuron::route_composites_to_cpu);
   m.def("_set_quiet", &neuron::set_quiet);
   m.def("_quiet", &neuron::quiet);
   m.def("_set_recording", &neuron::set_recording);

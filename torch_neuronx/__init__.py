@@ -6,7 +6,16 @@ devices from the NEURON_* environment.
 """
 from __future__ import annotations
 
-import torch
+
+def _autoload() -> None:
+    """Entry point of the ``torch.backends`` group: importing the package did the work.
+
+    Defined before ``import torch``: when this package is imported first, torch's own
+    autoload finds it half-initialised and calls this.
+    """
+
+
+import torch  # noqa: E402
 
 from . import _C  # noqa: F401  (registers allocator, guard, hooks, kernels)
 from . import _state
@@ -22,6 +31,7 @@ def _register() -> None:
         torch._register_device_module("neuron", device_module)
         torch.utils.generate_methods_for_privateuse1_backend(
             for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)
+    _C._route_composites_to_cpu()
     cfg = _state.config()
     _C._set_device_count(cfg.device_count)
     for i in range(cfg.device_count):
@@ -56,10 +66,6 @@ def __getattr__(name):
         globals()["nki_op"] = fn        # the submodule import bound the module; rebind
         return fn
     raise AttributeError(f"module 'torch_neuronx' has no attribute {name!r}")
-
-
-def _autoload() -> None:
-    """Entry point of the ``torch.backends`` group: importing the package did the work."""
 
 
 __all__ = ["modelled_time", "reset_modelled_time"]

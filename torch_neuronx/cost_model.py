@@ -167,6 +167,19 @@ def _account(record) -> None:
     t.by_engine[engine] += seconds
 
 
+def _add_time(device: int, name: str, seconds: float, *, engine: str = "other", launches: int = 1,
+              flops: float = 0.0, hbm_bytes: int = 0) -> None:
+    """Add work modelled elsewhere (a compiled graph, an NKI kernel, a collective)."""
+    cfg = _state.config()
+    t = _totals.setdefault(device, ModelledTime(platform=cfg.profile.name, device=device))
+    t.seconds += seconds
+    t.launches += launches
+    t.flops += flops
+    t.hbm_bytes += hbm_bytes
+    t.by_op[name] += seconds
+    t.by_engine[engine] += seconds
+
+
 def _drain() -> None:
     for record in _C._drain_op_records():
         _account(record)

@@ -1,0 +1,491 @@
+"""The device itself: configuration, memory, RNG, streams, integration, bad input."""
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import torch_neuronx
+
+N = "neuron"
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+    full = dict(os.environ, **env)
+    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True,
+                          timeout=120)
+
+
+# ---------------------------------------------------------------- devices and configuration
+
+def test_default_is_one_trn2_chip_at_lnc2():
+    assert torch.neuron.is_available()
+    assert torch.neuron.device_count() == 4
+    assert torch.accelerator.device_count() == 4
+    assert torch.neuron.get_device_name() == "Trainium2 NeuronCore-v3 (virtual, LNC=2)"
+    props = torch.neuron.get_device_properties(0)
+    assert props.total_memory == 24 * 2**30 or os.environ.get("TORCH_NEURONX_HBM_BYTES")
+    assert props.peak_tflops["bfloat16"] == pytest.approx(158.0)
+    assert props.logical_nc_config == 2
+
+
+@pytest.mark.parametrize("env,count,name", [
+    ({"NEURON_RT_VISIBLE_CORES": "0-1"}, 2, "Trainium2"),
+    ({"NEURON_RT_NUM_CORES": "3"}, 3, "Trainium2"),
+    ({"NEURON_LOGICAL_NC_CONFIG": "1"}, 8, "Trainium2"),
+    ({"NEURON_PLATFORM_TARGET_OVERRIDE": "trn3"}, 4, "Trainium3"),
+    ({"NEURON_PLATFORM_TARGET_OVERRIDE": "trn1"}, 2, "Trainium1"),
+    ({"NEURON_RT_VISIBLE_CORES": "0,2,5"}, 3, "Trainium2"),
+])
+def test_environment_selects_devices(env, count, name):
+    r = _run("import torch; print(torch.neuron.device_count(), torch.neuron.get_device_name(),"
+             " torch.neuron.get_device_properties(0).total_memory)",
+             TORCH_NEURONX_HBM_BYTES="", **env)
+    assert r.returncode == 0, r.stderr
+    n, rest = r.stdout.split(" ", 1)
+    assert int(n) == count and rest.startswith(name)
+
+
+def test_trn3_hbm_per_logical_core():
+    r = _run("import torch; print(torch.neuron.get_device_properties(0).total_memory)",
+             NEURON_PLATFORM_TARGET_OVERRIDE="trn3", TORCH_NEURONX_HBM_BYTES="")
+    assert int(r.stdout) == 144 * 2**30 // 4
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"NEURON_PLATFORM_TARGET_OVERRIDE": "trn9"}, "unknown Neuron platform target"),
+    ({"NEURON_LOGICAL_NC_CONFIG": "3"}, "NEURON_LOGICAL_NC_CONFIG"),
+    ({"NEURON_RT_VISIBLE_CORES": "a-b"}, "NEURON_RT_VISIBLE_CORES"),
+])
+def test_bad_environment_is_named(env, needle):
+    r = _run("import torch", **env)
+    assert r.returncode != 0 and needle in r.stderr
+
+
+def test_autoload_can_be_disabled():
+    r = _run("import torch; print(hasattr(torch, 'neuron'))", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    assert r.stdout.strip() == "False"
+
+
+def test_device_context_and_set_device():
+    assert torch.neuron.current_device() == 0
+    with torch.neuron.device(2):
+        assert torch.neuron.current_device() == 2
+        assert torch.empty(1, device=N).device == torch.device(N, 2)
+    assert torch.neuron.current_device() == 0
+    torch.neuron.set_device(1)
+    try:
+        assert torch.randn(2, device=N).device.index == 1
+    finally:
+        torch.neuron.set_device(0)
+
+
+def test_invalid_device_index_is_clear_and_recoverable():
+    with pytest.raises(RuntimeError, match=r"Invalid device index neuron:9.*4 visible"):
+        torch.empty(2, device="neuron:9")
+    with pytest.raises(RuntimeError, match="Invalid device index"):
+        torch.neuron.set_device(7)
+    assert (torch.ones(2, device=N) + 1).sum().item() == 4
+
+
+def test_unknown_device_string():
+    with pytest.raises(RuntimeError, match="neuronx"):
+        torch.device("neuronx")
+
+
+def test_cli_ls():
+    from torch_neuronx.cli import main
+    import contextlib
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["ls"]) == 0
+    out = buf.getvalue()
+    assert "neuron:3" in out and "trn2" in out and "24.0 GiB" in out or "GiB" in out
+
+
+# ---------------------------------------------------------------- tensors, copies, errors
+
+def test_copies_between_host_and_devices():
+    x = torch.randn(5, 7)
+    a = x.to(N)
+    b = a.to("neuron:1")
+    c = b.to("neuron:3").t().contiguous().t()
+    assert b.device.index == 1 and c.device.index == 3
+    torch.testing.assert_close(c.cpu(), x, rtol=0, atol=0)
+    assert a.is_neuron and not x.is_neuron
+    assert torch.equal(a.to(torch.float16).cpu(), x.to(torch.float16))
+
+
+def test_cross_device_op_raises_cuda_error():
+    a = torch.ones(3, device=N)
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device.*neuron:0 and cpu"):
+        a + torch.ones(3)
+    with pytest.raises(RuntimeError, match="neuron:0 and neuron:1"):
+        a + torch.ones(3, device="neuron:1")
+    assert (a + torch.tensor(2.0)).sum().item() == 9  # CPU scalars are allowed, as on CUDA
+    assert (a * 2).sum().item() == 6
+
+
+def test_views_inplace_and_out():
+    x = torch.arange(24.0).reshape(4, 6)
+    d = x.to(N)
+    v = d[1:, ::2]
+    v.mul_(10)
+    x[1:, ::2].mul_(10)
+    torch.testing.assert_close(d.cpu(), x, rtol=0, atol=0)
+    out = torch.empty(0, device=N)
+    torch.add(d, 1, out=out)
+    assert out.shape == x.shape and torch.equal(out.cpu(), x + 1)
+    assert d.t().stride() == (1, 6) and d.unsqueeze(0).expand(3, 4, 6).stride()[0] == 0
+
+
+def test_dtypes_roundtrip():
+    for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn,
+               torch.float8_e5m2, torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool,
+               torch.complex64, torch.float64):
+        x = (torch.randn(6) * 3).to(dt)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            y = x.to(N)
+            assert y.dtype == dt and torch.equal(y.cpu().view(torch.uint8), x.view(torch.uint8))
+
+
+def test_float64_warns_once_naming_op():
+    x = torch.randn(4, dtype=torch.float64, device=N)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        torch.special.i0e(x)
+        torch.special.i0e(x)
+    msgs = [str(m.message) for m in w if "i0e" in str(m.message)]
+    assert len(msgs) == 1 and "Double" in msgs[0] and "will not port" in msgs[0]
+
+
+def test_printing_does_not_warn():
+    x = torch.randn(3, device=N)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert "device='neuron:0'" in repr(x)
+
+
+def test_fft_linalg_match_cpu():
+    x = torch.randn(8, 8)
+    d = x.to(N)
+    for f in (torch.fft.fft, torch.fft.ifft, torch.fft.rfft, torch.fft.hfft, torch.linalg.inv,
+              torch.linalg.qr, torch.linalg.eigh, torch.linalg.svd):
+        a, b = f(x @ x.T if f is torch.linalg.eigh else x), f(d @ d.T if f is torch.linalg.eigh else d)
+        for u, v in zip(a if isinstance(a, tuple) else [a], b if isinstance(b, tuple) else [b]):
+            torch.testing.assert_close(v.cpu(), u, rtol=0, atol=0)
+
+
+def test_conv_and_autograd_match_cpu():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                            torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(8 * 9, 4))
+    x = torch.randn(2, 3, 8, 8)
+    md = __import__("copy").deepcopy(m).to(N)
+    m(x).square().sum().backward()
+    md(x.to(N)).square().sum().backward()
+    for p, q in zip(m.parameters(), md.parameters()):
+        torch.testing.assert_close(q.grad.cpu(), p.grad, rtol=0, atol=0)
+
+
+def test_no_kernel_for_dtype_is_clear():
+    x = torch.ones(2, 2, dtype=torch.bool, device=N)
+    with pytest.raises(RuntimeError, match="Bool|bool"):
+        torch.linalg.inv(x)
+    assert torch.ones(1, device=N).item() == 1
+
+
+# ---------------------------------------------------------------- memory
+
+def test_memory_stats_track_allocations():
+    torch.neuron.empty_cache()
+    base = torch.neuron.memory_allocated()
+    x = torch.empty(1 << 20, dtype=torch.uint8, device=N)
+    assert torch.neuron.memory_allocated() >= base + (1 << 20)
+    assert torch.accelerator.memory_allocated() == torch.neuron.memory_allocated()
+    assert torch.neuron.memory_reserved() >= torch.neuron.memory_allocated()
+    del x
+    assert torch.neuron.memory_allocated() == base
+    assert torch.neuron.max_memory_allocated() >= base + (1 << 20)
+    torch.neuron.reset_peak_memory_stats()
+    assert torch.neuron.max_memory_allocated() == base
+    stats = torch.neuron.memory_stats()
+    assert "allocated_bytes.all.current" in stats and "num_ooms" in stats
+    free, total = torch.neuron.mem_get_info()
+    assert total == torch.neuron.get_device_properties(0).total_memory and free <= total
+    assert "Allocated memory" in torch.neuron.memory_summary()
+    torch.neuron.empty_cache()
+    assert torch.neuron.memory_reserved() == torch.neuron.memory_allocated()
+
+
+def test_out_of_memory_raises_with_summary_and_recovers():
+    total = torch.neuron.get_device_properties(0).total_memory
+    with pytest.raises(torch.OutOfMemoryError) as e:
+        torch.empty(total + 1, dtype=torch.uint8, device=N)
+    msg = str(e.value)
+    assert "Neuron out of memory" in msg and "neuron:0" in msg and "modelled HBM" in msg
+    assert torch.neuron.memory_stats()["num_ooms"] >= 1
+    assert (torch.ones(4, device=N) * 2).sum().item() == 8
+
+
+def test_oom_from_an_op_output():
+    x = torch.ones(1, device=N)
+    with pytest.raises(torch.OutOfMemoryError):
+        x.expand(torch.neuron.get_device_properties(0).total_memory // 4 + 1).contiguous()
+    assert x.item() == 1
+
+
+def test_per_process_memory_fraction():
+    r = _run("import torch\n"
+             "torch.neuron.set_per_process_memory_fraction(0.001)\n"
+             "try:\n    torch.empty(64 << 20, dtype=torch.uint8, device='neuron')\n"
+             "except torch.OutOfMemoryError: print('oom')\n", TORCH_NEURONX_HBM_BYTES="16GiB")
+    assert r.stdout.strip() == "oom", r.stderr
+
+
+def test_host_memory_exhaustion_is_oom_not_kill():
+    r = _run("import torch\n"
+             "try:\n    torch.empty(1 << 44, dtype=torch.uint8, device='neuron')\n"
+             "except torch.OutOfMemoryError as e: print('oom', 'host' in str(e))\n"
+             "print(torch.ones(2, device='neuron').sum().item())",
+             TORCH_NEURONX_HBM_BYTES="32TiB")
+    assert r.stdout.split() == ["oom", "True", "2.0"], r.stderr
+
+
+def test_training_does_not_leak():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).to(N)
+    opt = torch.optim.AdamW(m.parameters(), foreach=True)
+    x = torch.randn(16, 32, device=N)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        m(x).square().mean().backward()
+        opt.step()
+    for _ in range(3):
+        step()
+    base = torch.neuron.memory_allocated()
+    torch.neuron.reset_peak_memory_stats()
+    for _ in range(50):
+        step()
+    assert torch.neuron.memory_allocated() == base
+    assert torch.neuron.memory_reserved() <= 1.25 * torch.neuron.max_memory_allocated() + (1 << 20)
+
+
+def test_pinned_memory_and_dataloader():
+    x = torch.randn(4).pin_memory()
+    assert x.is_pinned()
+    ds = torch.utils.data.TensorDataset(torch.randn(8, 2))
+    batch = next(iter(torch.utils.data.DataLoader(ds, batch_size=4, pin_memory=True,
+                                                  pin_memory_device=N)))[0]
+    assert batch.is_pinned()
+    assert batch.to(N, non_blocking=True).device.type == N
+
+
+# ---------------------------------------------------------------- RNG
+
+def test_rng_matches_cpu_sequence():
+    torch.manual_seed(123)
+    a = torch.randn(64, device=N)
+    b = torch.rand(8, device=N)
+    torch.manual_seed(123)
+    assert torch.equal(a.cpu(), torch.randn(64)) and torch.equal(b.cpu(), torch.rand(8))
+
+
+def test_rng_state_per_device():
+    torch.neuron.manual_seed_all(5)
+    s0 = torch.neuron.get_rng_state(0)
+    x = torch.randn(4, device="neuron:0")
+    torch.randn(4, device="neuron:1")
+    torch.neuron.set_rng_state(s0, 0)
+    assert torch.equal(torch.randn(4, device="neuron:0").cpu(), x.cpu())
+    torch.neuron.manual_seed(7)
+    assert torch.neuron.initial_seed() == 7
+    assert len(torch.neuron.get_rng_state_all()) == 4
+
+
+def test_generator_and_random_ops():
+    g = torch.Generator(device=N).manual_seed(3)
+    c = torch.Generator().manual_seed(3)
+    assert torch.equal(torch.rand(5, device=N, generator=g).cpu(), torch.rand(5, generator=c))
+    p = torch.ones(10, device=N)
+    assert torch.multinomial(p, 4).device.type == N
+    torch.manual_seed(1)
+    d = torch.nn.functional.dropout(torch.ones(100, device=N), 0.5)
+    torch.manual_seed(1)
+    assert torch.equal(d.cpu(), torch.nn.functional.dropout(torch.ones(100), 0.5))
+
+
+# ---------------------------------------------------------------- streams and events
+
+def test_streams_and_events():
+    s = torch.neuron.Stream()
+    cur = torch.neuron.current_stream()
+    assert cur.stream_id == 0 and s.stream_id != 0
+    with torch.neuron.stream(s):
+        assert torch.neuron.current_stream().stream_id == s.stream_id
+        y = torch.ones(3, device=N) * 2
+    assert torch.neuron.current_stream() == cur
+    cur.wait_stream(s)
+    y.record_stream(cur)
+    start, end = torch.neuron.Event(enable_timing=True), torch.neuron.Event(enable_timing=True)
+    start.record()
+    torch.randn(64, 64, device=N) @ torch.randn(64, 64, device=N)
+    end.record()
+    end.synchronize()
+    assert start.elapsed_time(end) >= 0 and end.query()
+    assert isinstance(end, torch.neuron.Event)
+    g = torch.Stream(N)
+    assert g.device.type == N and g.query()
+    torch.neuron.synchronize()
+    torch.accelerator.synchronize()
+    assert torch.neuron.Stream(priority=-1).query()
+
+
+# ---------------------------------------------------------------- integration
+
+def test_autocast_bf16_default_and_policy():
+    a, b = torch.randn(4, 4, device=N), torch.randn(4, 4, device=N)
+    with torch.autocast(device_type=N):
+        assert (a @ b).dtype == torch.bfloat16
+        assert torch.nn.functional.linear(a, b).dtype == torch.bfloat16
+        assert torch.softmax(a, -1).dtype == torch.float32
+        assert (a @ b).float().sum().dtype == torch.float32
+    with torch.autocast(device_type=N, dtype=torch.float16):
+        assert (a @ b).dtype == torch.float16
+    with torch.autocast(device_type="cpu"):
+        assert (a @ b).dtype == torch.float32
+
+
+def test_grad_scaler():
+    m = torch.nn.Linear(4, 1).to(N)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler(N)
+    loss = m(torch.randn(3, 4, device=N)).sum()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 65536.0
+    m.weight.grad.fill_(float("inf"))
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 32768.0
+
+
+def test_save_load_both_ways(tmp_path):
+    x = torch.randn(3, 3)
+    d = x.to("neuron:1")
+    path = tmp_path / "t.pt"
+    torch.save({"d": d, "c": x}, path)
+    back = torch.load(path)
+    assert back["d"].device == torch.device("neuron:1") and torch.equal(back["d"].cpu(), x)
+    assert torch.load(path, map_location="cpu")["d"].device.type == "cpu"
+    torch.save(x, path)
+    assert torch.load(path, map_location="neuron:2").device == torch.device("neuron:2")
+    m = torch.nn.Linear(3, 2).to(N)
+    torch.save(m.state_dict(), path)
+    m2 = torch.nn.Linear(3, 2)
+    m2.load_state_dict(torch.load(path, map_location="cpu"))
+    assert torch.equal(m2.weight, m.weight.cpu())
+
+
+def test_corrupt_and_foreign_files_are_clear(tmp_path):
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(Exception, match="(?i)invalid|pickle|zip|load"):
+        torch.load(bad)
+    x = torch.randn(2)
+    with pytest.raises(RuntimeError, match="(?i)device|neuron|invalid"):
+        buf = io.BytesIO()
+        torch.save(x, buf)
+        buf.seek(0)
+        torch.load(buf, map_location="neuron:11")
+    assert torch.ones(1, device=N).item() == 1
+
+
+def test_module_helpers():
+    m = torch.nn.Linear(2, 2)
+    assert next(m.neuron().parameters()).device.type == N
+    assert next(torch.nn.Linear(2, 2).to(N).parameters()).is_neuron
+    assert torch.ones(1).neuron().is_neuron
+
+
+@pytest.mark.parametrize("opt_cls,kw", [
+    (torch.optim.AdamW, {"foreach": True}), (torch.optim.AdamW, {"fused": True}),
+    (torch.optim.SGD, {"foreach": True, "momentum": 0.9}), (torch.optim.SGD, {"fused": True}),
+    (torch.optim.Adam, {"foreach": False}),
+])
+def test_optimizers_match_cpu(opt_cls, kw):
+    torch.manual_seed(0)
+    m = torch.nn.Linear(8, 4)
+    md = __import__("copy").deepcopy(m).to(N)
+    oc, od = opt_cls(m.parameters(), lr=0.01, **kw), opt_cls(md.parameters(), lr=0.01, **kw)
+    x = torch.randn(5, 8)
+    for _ in range(3):
+        for mod, opt, inp in ((m, oc, x), (md, od, x.to(N))):
+            opt.zero_grad()
+            mod(inp).square().sum().backward()
+            opt.step()
+    for p, q in zip(m.parameters(), md.parameters()):
+        torch.testing.assert_close(q.cpu(), p, rtol=0, atol=0)
+
+
+def test_small_transformer_trains_like_cpu():
+    from torch_neuronx.demo.gpt import GPT, GPTConfig
+    cfg = GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16)
+    torch.manual_seed(0)
+    m = GPT(cfg)
+    md = __import__("copy").deepcopy(m).to(N)
+    x = torch.randint(0, 256, (4, 16))
+    y = torch.randint(0, 256, (4, 16))
+    losses = []
+    for mod, inp, tgt in ((m, x, y), (md, x.to(N), y.to(N))):
+        opt = torch.optim.AdamW(mod.parameters(), lr=1e-2, foreach=True)
+        ls = []
+        for _ in range(5):
+            opt.zero_grad()
+            _, loss = mod(inp, tgt)
+            loss.backward()
+            opt.step()
+            ls.append(loss.item())
+        losses.append(ls)
+    assert losses[0] == losses[1]
+    assert losses[1][-1] < losses[1][0]
+
+
+# ---------------------------------------------------------------- modelled time
+
+def test_modelled_time_roofline():
+    torch_neuronx.reset_modelled_time()
+    a = torch.randn(1024, 1024, device=N, dtype=torch.bfloat16)
+    torch_neuronx.reset_modelled_time()
+    a @ a
+    t = torch_neuronx.modelled_time(reset=True)
+    # 2 GFLOP at 158 TFLOPS (two physical cores) plus one launch: ~15.6 us
+    assert t.launches == 1 and 12e-6 < t.seconds < 25e-6, t
+    assert t.by_engine["tensor"] > 0
+    b = a.float()
+    torch_neuronx.reset_modelled_time()
+    b @ b
+    t32 = torch_neuronx.modelled_time(reset=True)
+    assert 3.5 < t32.seconds / t.seconds < 4.5  # fp32 is 4x slower on TensorE
+    x = torch.randn(1 << 22, device=N)
+    torch_neuronx.reset_modelled_time()
+    x + x
+    t_add = torch_neuronx.modelled_time(reset=True)
+    # 48 MiB over 725 GB/s: HBM bound
+    assert t_add.seconds == pytest.approx(2e-6 + 3 * 4 * (1 << 22) / 725e9, rel=0.05)
+
+
+def test_modelled_time_follows_platform():
+    r = _run("import torch, torch_neuronx\n"
+             "a = torch.randn(512, 512, device='neuron', dtype=torch.bfloat16)\n"
+             "torch_neuronx.reset_modelled_time(); a @ a\n"
+             "print(torch_neuronx.modelled_time().platform)", NEURON_PLATFORM_TARGET_OVERRIDE="trn3")
+    assert r.stdout.strip() == "trn3", r.stderr

@@ -1,0 +1,1 @@
+"""The main job: train a small GPT on the virtual Trainium device (``torchneuron demo``)."""
