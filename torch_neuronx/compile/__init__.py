@@ -53,12 +53,18 @@ def _on_inductor_common(_module) -> None:
     codegen.register_inductor()
 
 
+def _on_inductor_decomposition(_module) -> None:
+    from . import decompositions
+    decompositions.install()
+
+
 def _on_flex_attention(_module) -> None:
     from . import flex
     flex.allow_neuron_device()
 
 
 _HOOKS = {"torch._dynamo": _on_dynamo, "torch._inductor.codegen.common": _on_inductor_common,
+          "torch._inductor.decomposition": _on_inductor_decomposition,
           "torch.nn.attention.flex_attention": _on_flex_attention}
 
 
@@ -83,17 +89,28 @@ class _PostImportHook(importlib.abc.MetaPathFinder):
             _exec(module)
             callback = _HOOKS.pop(_name, None)
             if callback is not None:
-                callback(module)
+                _run_hook(_name, callback, module)
 
         # The loader belongs to this one module's spec, so patching it is local.
         loader.exec_module = exec_and_hook
         return spec
 
 
+def _run_hook(name, callback, module) -> None:
+    # A failing registration must not break the import of a PyTorch module (that would
+    # leave it half-initialised for everyone); report it and carry on without neuron.
+    try:
+        callback(module)
+    except Exception as exc:  # noqa: BLE001
+        import warnings
+        warnings.warn(f"torch_neuronx: registering the neuron device with {name} failed: "
+                      f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
+
+
 def _install_hooks() -> None:
     """Register with Dynamo/Inductor now if they are loaded, else when they get imported."""
     for name in list(_HOOKS):
         if name in sys.modules:
-            _HOOKS.pop(name)(sys.modules[name])
+            _run_hook(name, _HOOKS.pop(name), sys.modules[name])
     if _HOOKS and not any(isinstance(f, _PostImportHook) for f in sys.meta_path):
         sys.meta_path.insert(0, _PostImportHook())

@@ -7,7 +7,7 @@ at ``neuron_backend``. A Dynamo graph goes through:
 1. Dynamo-level FX passes (``passes.py``): FlexAttention calls become Neuron block-sparse
    attention ops, unsupported constructs raise an error naming the op and source line;
 2. AOTAutograd (forward and backward graphs, functionalised), with Inductor's decompositions
-   plus Neuron's (``decompositions.py``) and the post-grad Neuron pass;
+   with Neuron's rules (``decompositions.py``) and the post-grad Neuron pass;
 3. Inductor lowering and scheduling, with the neuron code generator (``codegen.py``): fused
    C++ kernels that run on the device buffers in place;
 4. the persistent caches (Inductor's FX graph cache and AOTAutograd's cache, in
@@ -27,7 +27,7 @@ import warnings
 import torch
 
 from . import cache, codegen, passes
-from .decompositions import neuron_decompositions
+from .decompositions import install as install_decompositions
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +58,11 @@ def _compile_graph(gm, example_inputs, *, decompositions=None, config_patches=No
     cache.configure()
     patches = dict(_INDUCTOR_PATCHES)
     patches.update(config_patches or {})
-    decomps = neuron_decompositions() if decompositions is None else decompositions
-    return compile_fx(gm, example_inputs, decompositions=decomps, config_patches=patches)
+    # Inductor's table (with the neuron rules installed into it) is used when no table is
+    # passed; passing one explicitly would make the FX graph cache bypass the graph.
+    install_decompositions()
+    return compile_fx(gm, example_inputs, decompositions=decompositions,
+                      config_patches=patches)
 
 
 def neuron_backend(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None,

@@ -161,10 +161,10 @@ def register_inductor() -> None:
 
     if common.get_scheduling_for_device(_DEVICE) is _LazyScheduling:
         return
-    from .passes import NeuronPostGradPass
+    from .passes import post_grad_pass
 
     common.register_backend_for_device(_DEVICE, _LazyScheduling, _LazyWrapperCodegen,
-                                       device_custom_pass=NeuronPostGradPass())
+                                       device_custom_pass=post_grad_pass())
 
     class _Overrides(common.DeviceOpOverrides):
         # Snippets Inductor's wrapper emits for device management on neuron.

@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import threading
@@ -72,35 +73,46 @@ def check_graph(gm: torch.fx.GraphModule) -> None:
                     "tensors")
 
 
-from torch._inductor.custom_graph_pass import CustomGraphModulePass  # noqa: E402
+def _validate_post_grad(gm: torch.fx.GraphModule) -> None:
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        val = node.meta.get("val")
+        for v in (val if isinstance(val, (list, tuple)) else [val]):
+            why = _unsupported_value(v)
+            if why is not None:
+                raise NeuronCompileError(
+                    f"neuron backend cannot compile {_op_name(node.target)} producing "
+                    f"{why} (at {_source_line(node)})")
 
 
-class NeuronPostGradPass(CustomGraphModulePass):
+def _cache_uuid() -> bytes:
+    # Part of the FX graph cache key: a new backend version, decomposition table or code
+    # generator must not reuse graphs compiled by an older one.
+    from .decompositions import table_fingerprint
+    text = f"torch_neuronx {__version__} {table_fingerprint()} {_codegen_fingerprint()}"
+    return hashlib.sha256(text.encode()).digest()
+
+
+@functools.cache
+def post_grad_pass():
     """Inductor's per-device post-grad pass for graphs on neuron (ATen level).
 
     Registered with ``register_backend_for_device`` so that it runs for every Inductor
-    compile touching neuron (backend "neuron" or plain ``torch.compile``), and its
-    ``uuid`` keys the persistent cache on this backend's version.
+    compile touching neuron (backend "neuron" or plain ``torch.compile``); its ``uuid``
+    keys the persistent cache on this backend's version. (Built lazily: importing
+    Inductor's pass base class at module import would import Inductor with us.)
     """
+    from torch._inductor.custom_graph_pass import CustomGraphModulePass
 
-    def __call__(self, gm: torch.fx.GraphModule) -> None:
-        for node in gm.graph.nodes:
-            if node.op != "call_function":
-                continue
-            val = node.meta.get("val")
-            for v in (val if isinstance(val, (list, tuple)) else [val]):
-                why = _unsupported_value(v)
-                if why is not None:
-                    raise NeuronCompileError(
-                        f"neuron backend cannot compile {_op_name(node.target)} producing "
-                        f"{why} (at {_source_line(node)})")
+    class NeuronPostGradPass(CustomGraphModulePass):
+        def __call__(self, gm: torch.fx.GraphModule) -> None:
+            _validate_post_grad(gm)
 
-    def uuid(self) -> bytes:
-        # Part of the FX graph cache key: a new backend version or decomposition table
-        # must not reuse graphs compiled by an older one.
-        from .decompositions import table_fingerprint
-        text = f"torch_neuronx {__version__} {table_fingerprint()} {_codegen_fingerprint()}"
-        return hashlib.sha256(text.encode()).digest()
+        def uuid(self) -> bytes:
+            return _cache_uuid()
+
+    return NeuronPostGradPass()
 
 
 def _codegen_fingerprint() -> str:
