@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,7 +22,7 @@ def free_port() -> int:
 
 
 def run(scenario: str, nproc: int, timeout: float = 120.0, env: dict | None = None,
-        args: tuple = (), expect_fail: bool = False) -> list:
+        args: tuple = (), expect_fail: bool = False, grace: float = 30.0) -> list:
     """Run ``scenario`` of _workers.py on ``nproc`` ranks; return [(returncode, output)] per
     rank. Kills every rank still alive at ``timeout`` and fails: a hang is a bug."""
     port = free_port()
@@ -36,18 +37,40 @@ def run(scenario: str, nproc: int, timeout: float = 120.0, env: dict | None = No
         procs.append(subprocess.Popen([sys.executable, str(WORKERS), scenario, *args], env=e,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       cwd=str(REPO)))
+    # Collect output in threads so a chatty rank never blocks on a full pipe.
+    outs = [""] * nproc
+
+    def drain(i, p):
+        outs[i] = p.stdout.read()
+
+    readers = [threading.Thread(target=drain, args=(i, p), daemon=True) for i, p in enumerate(procs)]
+    for t in readers:
+        t.start()
     deadline = time.monotonic() + timeout
-    results, hung = [], []
-    for rank, p in enumerate(procs):
-        try:
-            out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, _ = p.communicate()
-            hung.append(rank)
-        results.append((p.returncode, out))
+    first_failure = None
+    hung = []
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            break
+        now = time.monotonic()
+        if first_failure is None and any(c not in (None, 0) for c in codes) and not expect_fail:
+            first_failure = now
+        # a failed rank leaves its peers waiting: give them a grace period to fail on their own
+        if now > deadline or (first_failure is not None and now - first_failure > grace):
+            hung = [i for i, c in enumerate(codes) if c is None]
+            for i in hung:
+                procs[i].kill()
+            break
+        time.sleep(0.05)
+    for p in procs:
+        p.wait()
+    for t in readers:
+        t.join(timeout=10)
+    results = [(p.returncode, outs[i]) for i, p in enumerate(procs)]
     if hung:
-        raise AssertionError(f"{scenario}: ranks {hung} still running after {timeout}s:\n"
+        raise AssertionError(f"{scenario}: ranks {hung} killed (still running at the deadline or "
+                             f"{grace}s after a peer failed):\n"
                              + "\n".join(f"--- rank {r} ---\n{o[-3000:]}" for r, (_, o) in enumerate(results)))
     if not expect_fail:
         bad = [(r, rc, o) for r, (rc, o) in enumerate(results) if rc != 0]

@@ -289,9 +289,9 @@ def scenario_mismatch():
         ("all_gather", lambda: dist.all_gather_into_tensor(torch.empty(WORLD * n, device=DEV),
                                                            torch.ones(n, device=DEV))),
         ("splits", lambda: dist.all_to_all_single(
-            torch.empty(3 if RANK == 0 else 2, device=DEV), torch.ones(2 if RANK == 0 else 3, device=DEV),
-            output_split_sizes=[1, 2] if RANK == 0 else [1, 1],
-            input_split_sizes=[1, 1] if RANK == 0 else [2, 1])),
+            # rank 1 sends 2 rows to rank 0, which expects 1
+            torch.empty(2, device=DEV), torch.ones(2 if RANK == 0 else 3, device=DEV),
+            output_split_sizes=[1, 1], input_split_sizes=[1, 1] if RANK == 0 else [2, 1])),
     ):
         t0 = time.monotonic()
         try:
@@ -432,14 +432,14 @@ def scenario_ddp():
         fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
         return fut.then(lambda f: f.value()[0].div_(WORLD))
 
-    for variant in ("buckets", "bucket_view", "no_sync", "unused", "hook_bf16", "hook_custom"):
+    for variant in ("buckets", "bucket_view", "no_sync", "unused", "hook_fp16", "hook_custom"):
         torch.manual_seed(0)
         gpt = M.GPT()
         module = (_WithUnused(gpt) if variant == "unused" else gpt).to(DEV)
         ddp = DDP(module, bucket_cap_mb=0.01, find_unused_parameters=(variant == "unused"),
                   gradient_as_bucket_view=(variant == "bucket_view"))
-        if variant == "hook_bf16":
-            ddp.register_comm_hook(dist.group.WORLD, default_hooks.bf16_compress_hook)
+        if variant == "hook_fp16":
+            ddp.register_comm_hook(dist.group.WORLD, default_hooks.fp16_compress_hook)
         elif variant == "hook_custom":
             ddp.register_comm_hook(None, custom_hook)
         opt = M.make_optim(ddp.parameters(), LR, "sgd")
@@ -461,7 +461,7 @@ def scenario_ddp():
             opt.zero_grad()
             losses.append(_mean_over(loss))
         state = {k.replace("gpt.", ""): v for k, v in _full_state(ddp).items()}
-        tol = 2e-3 if variant == "hook_bf16" else 1e-5
+        tol = 1e-3 if variant == "hook_fp16" else 1e-5
         _compare(losses, state, ref_losses, ref_state, atol=tol, what=f"DDP {variant}")
         assert next(ddp.parameters()).device == DEV
         print("DDP", variant, "ok", flush=True)
@@ -503,7 +503,8 @@ def scenario_fsdp(ckpt_dir):
     from torch.distributed.tensor import DTensor, Shard
     import torch.distributed.checkpoint as dcp
     mesh = init_device_mesh("neuron", (WORLD,))   # creates the default group: neuron backend
-    assert dist.get_backend() == "neuron" and torch.neuron.current_device() == DEV.index
+    # no backend named: PyTorch reports "undefined", as for CUDA; the group is ours
+    assert dist.group.WORLD.name() == "neuron" and torch.neuron.current_device() == DEV.index
 
     # FSDP2, fp32, gradient clipping, full state dict
     ref_losses, ref_state = M.reference_train(STEPS, N, SEQ, LR, clip=0.5)
@@ -585,10 +586,18 @@ def _simple_fsdp(model, mesh):
     return model
 
 
-def scenario_simple_fsdp(mesh):
+def scenario_simple_fsdp_compile():
+    from torch.distributed.device_mesh import init_device_mesh
+    init(timeout=120)
+    scenario_simple_fsdp(init_device_mesh("neuron", (WORLD,)), modes=("compile",))
+    dist.destroy_process_group()
+    print("ok", RANK)
+
+
+def scenario_simple_fsdp(mesh, modes=("eager",)):
     ref_losses, ref_state = M.reference_train(STEPS, N, SEQ, LR)
     results = {}
-    for mode in ("eager", "compile"):
+    for mode in modes:
         torch.manual_seed(0)
         model = _simple_fsdp(M.GPT().to(DEV), mesh)
         run = model if mode == "eager" else torch.compile(model, backend="aot_eager")
@@ -606,6 +615,7 @@ def scenario_simple_fsdp(mesh):
 def scenario_tp():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+    init(timeout=120)
     mesh = init_device_mesh("neuron", (WORLD,), mesh_dim_names=("tp",))
     ref_losses, ref_state = M.reference_train(STEPS, N, SEQ, LR)
     for sp in (False, True):
@@ -707,8 +717,9 @@ def scenario_fsdp_tp_2d(ckpt_dir):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     import torch.distributed.checkpoint as dcp
+    init(timeout=120)
     mesh = init_device_mesh("neuron", (2, 2), mesh_dim_names=("dp", "tp"))
-    assert dist.get_backend(mesh.get_group("dp")) == "neuron"
+    assert mesh.get_group("dp").name() == "neuron"
     ref_losses, ref_state = M.reference_train(STEPS, N, SEQ, LR, clip=1.0)
     torch.manual_seed(0)
     model = M.apply_tp(M.GPT().to(DEV), mesh["tp"])
