@@ -11,6 +11,14 @@
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/view_native.h>
 #include <ATen/native/transformers/attention.h>
+#include <ATen/SparseCsrTensorImpl.h>
+#include <ATen/SparseCsrTensorUtils.h>
+#include <ATen/native/SparseTensorUtils.h>
+#include <ATen/SparseTensorImpl.h>
+#include <ATen/ops/_sparse_compressed_tensor_unsafe.h>
+#include <ATen/ops/_sparse_coo_tensor_with_dims_and_tensors.h>
+#include <ATen/ops/_sparse_coo_tensor_with_dims_and_tensors_native.h>
+#include <ATen/ops/_sparse_coo_tensor_with_dims_native.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -379,6 +387,32 @@ int64_t fused_sdp_choice(const at::Tensor& q, const at::Tensor& k, const at::Ten
 // ---------------------------------------------------------------------------------------
 // The boxed fallback.
 
+bool is_compressed(const at::Tensor& t) {
+  auto l = t.layout();
+  return l == c10::kSparseCsr || l == c10::kSparseCsc || l == c10::kSparseBsr ||
+         l == c10::kSparseBsc;
+}
+
+// Sparse tensors are dense member tensors plus metadata: rebuild them around the members'
+// aliases (to the host) or adopted outputs (to the device).
+template <typename F>
+at::Tensor rebuild_sparse(const at::Tensor& t, c10::Device device, F&& member) {
+  auto opts = t.options().device(device);
+  if (t.layout() == c10::kSparse) {
+    auto* impl = at::sparse::get_sparse_impl(t);
+    return at::_sparse_coo_tensor_with_dims_and_tensors(
+        impl->sparse_dim(), impl->dense_dim(), t.sizes(), member(impl->indices()),
+        member(impl->values()), opts, impl->coalesced());
+  }
+  auto* impl = at::sparse_csr::get_sparse_csr_impl(t);
+  return at::_sparse_compressed_tensor_unsafe(member(impl->compressed_indices()),
+                                              member(impl->plain_indices()),
+                                              member(impl->values()), t.sizes(), opts);
+}
+
+// An in-place sparse kernel may have replaced the members of the host alias.
+void sync_sparse(const at::Tensor& dev, const at::Tensor& host, c10::DeviceIndex d);
+
 bool is_device_tensor(const c10::IValue& v) {
   return v.isTensor() && v.toTensor().defined() && v.toTensor().device().type() == kDevice;
 }
@@ -399,10 +433,19 @@ struct Context {
   c10::SmallVector<std::pair<const c10::StorageImpl*, c10::Storage>, 8> storages;
   c10::SmallVector<std::pair<at::Tensor, at::Tensor>, 4> mutated;  // (device, alias)
 
+  bool sparse = false;
+
   at::Tensor to_host(const at::Tensor& t, bool mutable_arg) {
     auto d = t.device().index();
     if (device == -1) device = d;
     else if (d != device) other = d;
+    if (t.layout() != c10::kStrided) {
+      sparse = true;
+      at::Tensor a = rebuild_sparse(t, c10::Device(c10::kCPU),
+                                    [this](const at::Tensor& m) { return to_host(m, false); });
+      if (mutable_arg) mutated.emplace_back(t, a);
+      return a;
+    }
     at::Tensor a = cpu_alias(t);
     storages.emplace_back(a.storage().unsafeGetStorageImpl(), t.storage());
     if (mutable_arg) mutated.emplace_back(t, a);
@@ -416,6 +459,7 @@ struct Context {
 // An `out=` kernel may have resized its output: give the device tensor the new shape, and
 // take over the kernel's new buffer if it had to grow.
 void sync_resized(const at::Tensor& dev, const at::Tensor& host, c10::DeviceIndex d) {
+  if (dev.layout() != c10::kStrided) return sync_sparse(dev, host, d);
   auto* impl = dev.unsafeGetTensorImpl();
   if (host.storage().data() != dev.storage().data()) {
     auto* st = dev.storage().unsafeGetStorageImpl();
@@ -432,6 +476,12 @@ void sync_resized(const at::Tensor& dev, const at::Tensor& host, c10::DeviceInde
 at::Tensor to_device(const at::Tensor& t, Context& ctx,
                      c10::SmallVector<std::pair<const c10::StorageImpl*, c10::Storage>, 8>& fresh) {
   if (!t.defined() || t.device().type() != c10::kCPU) return t;
+  if (t.layout() != c10::kStrided) {
+    TORCH_CHECK(t.layout() == c10::kSparse || is_compressed(t), "neuron: a kernel produced a ",
+                t.layout(), " tensor, a layout the neuron device does not support");
+    return rebuild_sparse(t, c10::Device(kDevice, ctx.device),
+                          [&](const at::Tensor& m) { return to_device(m, ctx, fresh); });
+  }
   const auto* key = t.storage().unsafeGetStorageImpl();
   for (auto& [k, st] : ctx.storages) {
     if (k == key) return wrap(st, t);
@@ -444,20 +494,53 @@ at::Tensor to_device(const at::Tensor& t, Context& ctx,
   return out;
 }
 
+void sync_sparse(const at::Tensor& dev, const at::Tensor& host, c10::DeviceIndex d) {
+  Context ctx;
+  ctx.device = d;
+  c10::SmallVector<std::pair<const c10::StorageImpl*, c10::Storage>, 8> fresh;
+  auto back = [&](const at::Tensor& m) {
+    // Members that still alias device memory map back to it.
+    if (m.defined() && m.device().is_cpu()) {
+      return to_device(m, ctx, fresh);
+    }
+    return m;
+  };
+  if (dev.layout() == c10::kSparse) {
+    auto* h = at::sparse::get_sparse_impl(host);
+    auto* impl = at::sparse::get_sparse_impl(dev);
+    impl->resize_(h->sparse_dim(), h->dense_dim(), host.sizes());
+    impl->set_indices_and_values_unsafe(back(h->indices()), back(h->values()));
+    impl->set_coalesced(h->coalesced());
+  } else {
+    auto* h = at::sparse_csr::get_sparse_csr_impl(host);
+    auto* impl = at::sparse_csr::get_sparse_csr_impl(dev);
+    impl->set_member_tensors(back(h->compressed_indices()), back(h->plain_indices()),
+                             back(h->values()), host.sizes());
+  }
+}
+
 void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const auto& args = schema.arguments();
   const auto& rets = schema.returns();
 
   // View ops: CPU's kernel only rewrites metadata and keeps the input's storage and keys.
+  const size_t n = args.size();
   for (const auto& r : rets) {
     if (r.alias_info() && !r.alias_info()->isWrite()) {
-      op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+      auto key = c10::DispatchKey::CPU;
+      for (size_t i = stack->size() - n; i < stack->size(); ++i) {
+        const auto& v = (*stack)[i];
+        if (v.isTensor() && v.toTensor().defined() && v.toTensor().layout() != c10::kStrided) {
+          key = v.toTensor().layout() == c10::kSparse ? c10::DispatchKey::SparseCPU
+                                                      : c10::DispatchKey::SparseCsrCPU;
+        }
+      }
+      op.redispatchBoxed(c10::DispatchKeySet(key), stack);
       return;
     }
   }
 
-  const size_t n = args.size();
   const size_t base = stack->size() - n;
   Context ctx;
   c10::SmallVector<std::pair<size_t, c10::IValue>, 2> originals;  // mutable args as passed
@@ -537,7 +620,13 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
 
   try {
-    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+    if (ctx.sparse) {
+      // Sparse host aliases carry their own dispatch keys (SparseCPU, SparseCsrCPU).
+      c10::impl::ExcludeDispatchKeyGuard no_autograd(c10::autograd_dispatch_keyset_with_ADInplaceOrView);
+      op.callBoxed(stack);
+    } else {
+      op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+    }
   } catch (c10::NotImplementedError& e) {
     TORCH_CHECK_NOT_IMPLEMENTED(false, "The operator '", schema.operator_name(),
                                 "' is not available on the neuron device: the virtual "
@@ -611,7 +700,7 @@ namespace neuron {
 // Ops with a CPU kernel and also a composite one: the composite would win on neuron and may
 // round differently (e.g. native_layer_norm, addr, silu_backward) or take a slower out= path
 // (structured ops). Route them to CPU's own kernel through the fallback instead.
-std::unique_ptr<torch::Library> g_cpu_routes;
+std::vector<std::unique_ptr<torch::Library>> g_cpu_routes;
 
 bool handled_here(const std::string& name) {
   static const std::set<std::string> own = {
@@ -623,42 +712,65 @@ bool handled_here(const std::string& name) {
 }
 
 int route_composites_to_cpu() {
-  if (g_cpu_routes) return 0;
+  if (!g_cpu_routes.empty()) return 0;
   auto& disp = c10::Dispatcher::singleton();
-  g_cpu_routes = std::make_unique<torch::Library>(torch::Library::IMPL, "aten",
-                                                  c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+  using K = c10::DispatchKey;
+  // (CPU key, neuron key): dense, sparse COO and sparse compressed.
+  const std::array<std::pair<K, K>, 3> pairs = {{{K::CPU, K::PrivateUse1},
+                                                 {K::SparseCPU, K::SparsePrivateUse1},
+                                                 {K::SparseCsrCPU, K::SparseCsrPrivateUse1}}};
+  g_cpu_routes.clear();
+  for (auto [cpu_key, key] : pairs) {
+    g_cpu_routes.push_back(std::make_unique<torch::Library>(torch::Library::IMPL, "aten", key,
+                                                            __FILE__, __LINE__));
+  }
   int n = 0;
   for (const auto& name : disp.getAllOpNames()) {
-    if (name.name.rfind("aten::", 0) != 0 || handled_here(name.name)) continue;
+    if (name.name.rfind("aten::", 0) != 0) continue;
     auto op = disp.findOp(name);
-    if (!op || !op->hasKernelForDispatchKey(c10::DispatchKey::CPU) ||
-        op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) {
-      continue;
-    }
-    bool explicit_composite =
-        op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) ||
-        op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional);
+    if (!op) continue;
+    bool explicit_composite = op->hasKernelForDispatchKey(K::CompositeExplicitAutograd) ||
+                              op->hasKernelForDispatchKey(K::CompositeExplicitAutogradNonFunctional);
     // An implicit composite also supplies autograd; only ops with their own derivative
     // formula keep their gradient when a backend kernel is registered.
-    bool implicit_with_grad =
-        op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) &&
-        op->hasKernelForDispatchKey(c10::DispatchKey::Autograd);
+    bool implicit_with_grad = op->hasKernelForDispatchKey(K::CompositeImplicitAutograd) &&
+                              op->hasKernelForDispatchKey(K::Autograd);
     if (!explicit_composite && !implicit_with_grad) continue;
     bool is_view = false;
     for (const auto& r : op->schema().returns()) {
       if (r.alias_info() && !r.alias_info()->isWrite()) is_view = true;
     }
-    if (is_view) continue;
     std::string full = name.name.substr(6);
     if (!name.overload_name.empty()) full += "." + name.overload_name;
-    g_cpu_routes->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
-    ++n;
+    for (size_t i = 0; i < pairs.size(); ++i) {
+      auto [cpu_key, key] = pairs[i];
+      if (!op->hasKernelForDispatchKey(cpu_key) || op->hasKernelForDispatchKey(key)) continue;
+      // Dense views and our own kernels stay as they are; sparse views read the member
+      // tensors through the sparse CPU kernel (see the fallback).
+      if (key == K::PrivateUse1 && (is_view || handled_here(name.name))) continue;
+      g_cpu_routes[i]->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
+      ++n;
+    }
   }
   return n;
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
+}
+
+TORCH_LIBRARY_IMPL(_, SparsePrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
+}
+
+TORCH_LIBRARY_IMPL(_, SparseCsrPrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
+}
+
+TORCH_LIBRARY_IMPL(aten, SparsePrivateUse1, m) {
+  m.impl("_sparse_coo_tensor_with_dims_and_tensors",
+         TORCH_FN(at::native::new_with_dims_and_tensor_sparse_symint));
+  m.impl("_sparse_coo_tensor_with_dims", TORCH_FN(at::native::new_with_dims_sparse));
 }
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {

@@ -489,3 +489,40 @@ def test_modelled_time_follows_platform():
              "torch_neuronx.reset_modelled_time(); a @ a\n"
              "print(torch_neuronx.modelled_time().platform)", NEURON_PLATFORM_TARGET_OVERRIDE="trn3")
     assert r.stdout.strip() == "trn3", r.stderr
+
+
+# ---------------------------------------------------------------- sparse
+
+def test_sparse_coo_matches_cpu():
+    torch.manual_seed(0)
+    x = torch.randn(6, 5)
+    x[x < 0.3] = 0
+    s = x.to_sparse()
+    sn = s.to(N)
+    assert sn.device.type == N and sn.layout == torch.sparse_coo and sn._values().is_neuron
+    dense = torch.randn(5, 3)
+    torch.testing.assert_close(torch.sparse.mm(sn, dense.to(N)).cpu(), torch.sparse.mm(s, dense),
+                               rtol=0, atol=0)
+    torch.testing.assert_close((sn + sn).coalesce().to_dense().cpu(), (s + s).to_dense(),
+                               rtol=0, atol=0)
+    m = sn.clone().mul_(3)
+    assert torch.equal(m.to_dense().cpu(), x * 3)
+    assert x.to(N).to_sparse().device.type == N
+    assert torch.equal(sn.cpu().to_dense(), x)
+    w, wc = x.to(N).requires_grad_(), x.clone().requires_grad_()
+    torch.sparse.sum(w.to_sparse() * 2).backward()
+    torch.sparse.sum(wc.to_sparse() * 2).backward()
+    assert torch.equal(w.grad.cpu(), wc.grad)
+
+
+def test_sparse_csr_matches_cpu():
+    x = torch.randn(4, 6)
+    x[x < 0] = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        c = x.to_sparse_csr()
+        cn = c.to(N)
+        assert cn.layout == torch.sparse_csr and cn.crow_indices().is_neuron
+        v = torch.randn(6, 2)
+        torch.testing.assert_close((cn @ v.to(N)).cpu(), c @ v, rtol=0, atol=0)
+        assert torch.equal(x.to(N).to_sparse_csr().to_dense().cpu(), x)

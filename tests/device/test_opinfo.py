@@ -13,8 +13,19 @@ DEVICE = "neuron"
 FORWARD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_SAMPLES = 3
 
-# op name (with variant) -> why it is not compared here.
+# Exclusions, each with its reason. Keys: op name (with variant), or (name, dtype), or
+# (name, "grad") for the gradient test only.
 EXCLUDE = {
+    ("nn.functional.linear_cross_entropy.chunked", torch.bfloat16):
+        "PyTorch's chunked path accumulates in fp32 only on CPU/CUDA (a Python policy in "
+        "torch/nn/modules/linear_cross_entropy_options.py); other devices (MPS, XPU, neuron) "
+        "accumulate in the input dtype",
+    ("nn.functional.linear_cross_entropy.chunked", torch.float16): "same as bfloat16",
+    ("nn.functional.linear_cross_entropy.chunked_none", torch.bfloat16): "same as chunked",
+    ("nn.functional.linear_cross_entropy.chunked_none", torch.float16): "same as chunked",
+    ("sparse.mm.reduce", "grad"):
+        "KNOWN BUG: SIGSEGV inside CPU's sparse-CSR spmm_reduce backward kernel (amax/amin) on "
+        "device CSR inputs; forward passes",
     "as_strided.partial_views": "samples read storage outside the view; moving a sample to "
                                 "another device copies only the view, so the devices see "
                                 "different memory (a property of the test, same on CUDA)",
@@ -94,7 +105,8 @@ def _cases():
     for op in op_db:
         name = _name(op)
         for dtype in FORWARD_DTYPES:
-            marks = [pytest.mark.skip(reason=EXCLUDE[name])] if name in EXCLUDE else []
+            reason = EXCLUDE.get(name) or EXCLUDE.get((name, dtype))
+            marks = [pytest.mark.skip(reason=reason)] if reason else []
             yield pytest.param(op, dtype, id=f"{name}-{str(dtype)[6:]}", marks=marks)
 
 
@@ -123,7 +135,8 @@ def _grad_cases():
     for op in op_db:
         if op.supports_autograd and torch.float32 in op.supported_dtypes("cpu"):
             name = _name(op)
-            marks = [pytest.mark.skip(reason=EXCLUDE[name])] if name in EXCLUDE else []
+            reason = EXCLUDE.get(name) or EXCLUDE.get((name, "grad"))
+            marks = [pytest.mark.skip(reason=reason)] if reason else []
             yield pytest.param(op, id=name, marks=marks)
 
 
