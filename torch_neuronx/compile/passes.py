@@ -70,7 +70,7 @@ def check_graph(gm: torch.fx.GraphModule) -> None:
                 raise NeuronCompileError(
                     f"neuron backend cannot compile {what} producing {why} "
                     f"(at {_source_line(node)}): compiled neuron graphs take dense strided "
-                    "tensors")
+                    "tensors of real, complex64/128, integer or bool dtypes")
 
 
 def _validate_post_grad(gm: torch.fx.GraphModule) -> None:
