@@ -202,3 +202,4 @@ def report_recompile(gm) -> None:
             f"(frame {cid.frame_id}); the guard that failed: {reasons[0].strip()}. "
             "Mark changing sizes dynamic (torch.compile(dynamic=True) or "
             "torch._dynamo.mark_dynamic) to avoid a recompilation storm.", stacklevel=2)
+
