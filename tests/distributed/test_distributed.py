@@ -150,3 +150,16 @@ def test_collectives_model_formulas():
     assert bus_bandwidth("all_reduce", s, 1.0, 4) == pytest.approx(s * 1.5)
     with pytest.raises(ValueError, match="unknown collective"):
         collective_seconds("all_scream", s, 2, 1, TRN2, lnc)
+
+
+def test_example_fsdp_tp_gpt_trains_on_4_ranks():
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(_launch.REPO))
+    res = subprocess.run([torchrun, "--nproc-per-node", "4", "--rdzv-backend", "c10d",
+                          "--rdzv-endpoint", f"127.0.0.1:{_launch.free_port()}",
+                          str(_launch.REPO / "examples" / "fsdp_tp_gpt.py"), "--steps", "11"],
+                         env=env, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    losses = [float(l.split()[-1]) for l in res.stdout.splitlines() if l.startswith("step")]
+    assert len(losses) == 3 and losses[-1] < losses[0] * 0.5, res.stdout
+    assert "of which collectives" in res.stdout

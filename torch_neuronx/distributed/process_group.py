@@ -781,12 +781,31 @@ class _Combined(_NeuronWork):
         return self._result
 
 
+_exit_hook_installed = False
+
+
+def _shutdown_at_exit() -> None:
+    # A script that never calls destroy_process_group would otherwise leave gloo's worker
+    # threads to static destruction, which aborts the process ("terminate called without an
+    # active exception"); PyTorch's own backends are torn down before that point.
+    if dist.is_initialized() and isinstance(dist.group.WORLD, ProcessGroupNeuron):
+        try:
+            dist.destroy_process_group()
+        except Exception:  # exiting anyway: a failed teardown must not mask the exit status
+            pass
+
+
 def _create(dist_backend_opts, backend_options=None):
     """Creator registered with ``dist.Backend.register_backend("neuron", ..., extended_api=True)``."""
+    global _exit_hook_installed
     from . import launch
     world = not dist.is_initialized()
     if world:
         launch.bind_device()
+    if not _exit_hook_installed:
+        import atexit
+        atexit.register(_shutdown_at_exit)
+        _exit_hook_installed = True
     return ProcessGroupNeuron(dist_backend_opts.store, dist_backend_opts.group_rank,
                               dist_backend_opts.group_size, dist_backend_opts.timeout,
                               global_ranks=dist_backend_opts.global_ranks_in_group,
