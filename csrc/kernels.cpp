@@ -11,6 +11,7 @@
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/view_native.h>
 #include <ATen/native/transformers/attention.h>
+#include <ATen/ops/_fused_sdp_choice_native.h>
 #include <ATen/SparseCsrTensorImpl.h>
 #include <ATen/SparseCsrTensorUtils.h>
 #include <ATen/native/SparseTensorUtils.h>
@@ -380,8 +381,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable
 int64_t fused_sdp_choice(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const c10::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
                          c10::optional<double> scale, bool enable_gqa) {
-  return at::_fused_sdp_choice(cpu_alias(q), cpu_alias(k), cpu_alias(v), alias_opt(mask),
-                               dropout_p, is_causal, scale, enable_gqa);
+  // CPU's selection reads only metadata; called directly so fake tensors (torch.compile)
+  // work too.
+  return at::native::_fused_sdp_choice_cpp(q, k, v, mask, dropout_p, is_causal, scale,
+                                           enable_gqa);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/Generator.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/utils/pybind.h>
 
 namespace neuron {
@@ -44,6 +45,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return alias;
   });
   m.def("_route_composites_to_cpu", &neuron::route_composites_to_cpu);
+  // Called at interpreter exit (atexit), while Python is alive: autograd's worker threads for
+  // this device then leave cleanly instead of being torn down during finalization, where
+  // re-acquiring the GIL aborts the process ("terminate called without an active exception").
+  m.def("_stop_autograd_workers", [] {
+    pybind11::gil_scoped_release no_gil;
+    torch::autograd::Engine::get_default_engine().stop();
+  });
   m.def("_set_quiet", &neuron::set_quiet);
   m.def("_quiet", &neuron::quiet);
   m.def("_set_recording", &neuron::set_recording);

@@ -36,8 +36,30 @@ def _register() -> None:
     _C._set_device_count(cfg.device_count)
     for i in range(cfg.device_count):
         _C._set_memory_limit(i, cfg.hbm_bytes)
+    import atexit
+    atexit.register(_stop_autograd_workers)
     # Trainium's native mixed precision is bf16 (autocast's per-device default is fp16).
     torch.set_autocast_dtype("neuron", torch.bfloat16)
+
+
+def _stop_autograd_workers() -> None:
+    """At exit, let autograd's device worker threads finish while Python is still alive.
+
+    Torn down later, during interpreter finalization, a worker that re-takes the GIL is
+    force-unwound and the process aborts ("terminate called without an active exception").
+    """
+    import os
+    import time
+    _C._stop_autograd_workers()
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        try:
+            names = [open(f"/proc/self/task/{t}/comm").read() for t in os.listdir("/proc/self/task")]
+        except OSError:
+            return
+        if not any(n.startswith("pt_autograd") for n in names):
+            return
+        time.sleep(0.002)  # releases the GIL the exiting workers need
 
 
 _register()

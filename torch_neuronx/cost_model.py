@@ -14,6 +14,7 @@ Execution never reads this module: it is accounting, computed when asked.
 from __future__ import annotations
 
 import math
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -115,6 +116,7 @@ class ModelledTime:
     flops: float = 0.0
     hbm_bytes: int = 0
     host_bytes: int = 0
+    link_bytes: int = 0           # bytes moved by collectives over NeuronLink/EFA
     by_op: dict = field(default_factory=lambda: defaultdict(float))
     by_engine: dict = field(default_factory=lambda: defaultdict(float))
 
@@ -129,6 +131,7 @@ class ModelledTime:
 
 
 _totals: dict = {}
+_lock = threading.Lock()  # compiled graphs and collectives add from other threads
 
 
 def _account(record) -> None:
@@ -167,22 +170,11 @@ def _account(record) -> None:
     t.by_engine[engine] += seconds
 
 
-def _add_time(device: int, name: str, seconds: float, *, engine: str = "other", launches: int = 1,
-              flops: float = 0.0, hbm_bytes: int = 0) -> None:
-    """Add work modelled elsewhere (a compiled graph, an NKI kernel, a collective)."""
-    cfg = _state.config()
-    t = _totals.setdefault(device, ModelledTime(platform=cfg.profile.name, device=device))
-    t.seconds += seconds
-    t.launches += launches
-    t.flops += flops
-    t.hbm_bytes += hbm_bytes
-    t.by_op[name] += seconds
-    t.by_engine[engine] += seconds
-
-
 def _drain() -> None:
-    for record in _C._drain_op_records():
-        _account(record)
+    records = _C._drain_op_records()
+    with _lock:
+        for record in records:
+            _account(record)
 
 
 def modelled_time(device=None, reset: bool = False) -> ModelledTime:
@@ -191,45 +183,38 @@ def modelled_time(device=None, reset: bool = False) -> ModelledTime:
     _drain()
     idx = _index(device)
     cfg = _state.config()
-    t = _totals.get(idx) or ModelledTime(platform=cfg.profile.name, device=idx)
-    if reset:
-        _totals.pop(idx, None)
+    with _lock:
+        t = _totals.get(idx) or ModelledTime(platform=cfg.profile.name, device=idx)
+        if reset:
+            _totals.pop(idx, None)
     return t
 
 
 def reset_modelled_time(device=None) -> None:
     """Forget accumulated modelled time (of one device, or of all when ``device`` is None)."""
-    _drain()
-    if device is None:
-        _totals.clear()
-    else:
-        from .neuron import _index
-        _totals.pop(_index(device), None)
-
-
-def _add_kernel_time(device, name: str, seconds: float) -> None:
-    """Add an NKI kernel's modelled latency (from the NKI simulator's engine timing model,
-    which the op records cannot see) to ``device``'s modelled time under ``name``."""
     from .neuron import _index
-    idx = _index(device)
+    _drain()
+    with _lock:
+        if device is None:
+            _totals.clear()
+        else:
+            _totals.pop(_index(device), None)
+
+
+def _add_time(device: int, name: str, seconds: float, *, engine: str, launches: int = 1,
+              hbm_bytes: int = 0, link_bytes: int = 0, flops: float = 0.0) -> None:
+    """Add work that the op records cannot see: fused kernels of compiled graphs (engine
+    "fused"), NKI kernels ("nki", from the simulator's engine timeline) and collectives
+    ("collective", bytes over the interconnect)."""
+    from .neuron import _index
+    device = _index(device)
     cfg = _state.config()
-    t = _totals.setdefault(idx, ModelledTime(platform=cfg.profile.name, device=idx))
-    t.seconds += seconds
-    t.launches += 1
-    t.by_op[name] += seconds
-    t.by_engine["nki"] += seconds
-
-
-def _add_time(device: int, name: str, seconds: float, nbytes: int = 0) -> None:
-    """Add modelled time that no executed op records: a collective on the interconnect
-    (torch_neuronx.distributed calls this with the collective's name and bytes moved)."""
-    cfg = _state.config()
-    t = _totals.setdefault(device, ModelledTime(platform=cfg.profile.name, device=device))
-    t.seconds += seconds
-    t.launches += 1
-    t.by_op[name] += seconds
-    t.by_engine["collective"] += seconds
-    _collective_bytes[device] = _collective_bytes.get(device, 0) + nbytes
-
-
-_collective_bytes: dict = {}  # bytes each device moved through collectives (not HBM traffic)
+    with _lock:
+        t = _totals.setdefault(device, ModelledTime(platform=cfg.profile.name, device=device))
+        t.seconds += seconds
+        t.launches += launches
+        t.flops += flops
+        t.hbm_bytes += hbm_bytes
+        t.link_bytes += link_bytes
+        t.by_op[name] += seconds
+        t.by_engine[engine] += seconds

@@ -118,8 +118,8 @@ def run(func, args, kwargs, grid=(), target=None, timing=False, readonly_inputs=
         out = _outputs(result, device, func)
         if on_device:
             from torch_neuronx import cost_model
-            cost_model._add_kernel_time(device, f"nki:{getattr(func, '__name__', 'kernel')}",
-                                        _latency_ns(sim) * 1e-9)
+            cost_model._add_time(device, f"nki:{getattr(func, '__name__', 'kernel')}",
+                                 _latency_ns(sim) * 1e-9, engine="nki")
         return out, sim
     finally:
         context.set_current(prev)

@@ -119,7 +119,8 @@ def test_torchrun_binds_local_rank_and_picks_neuron(tmp_path):
         "t = torch.ones(2, device='neuron') * (dist.get_rank() + 1)\n"
         "dist.all_reduce(t)\n"
         "assert t.tolist() == [3.0, 3.0], t\n"
-        "print('rank', dist.get_rank(), 'device', t.device)\n"
+        "out = os.path.join(os.path.dirname(__file__), f'rank{dist.get_rank()}.txt')\n"
+        "open(out, 'w').write(f'rank {dist.get_rank()} device {t.device}')\n"
         "dist.destroy_process_group()\n")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(_launch.REPO))
@@ -127,7 +128,9 @@ def test_torchrun_binds_local_rank_and_picks_neuron(tmp_path):
                           "--rdzv-endpoint", f"127.0.0.1:{_launch.free_port()}", str(script)],
                          env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "rank 0 device neuron:0" in res.stdout and "rank 1 device neuron:1" in res.stdout
+    # Each rank reports in its own file: the two processes' stdout interleaves.
+    assert (tmp_path / "rank0.txt").read_text() == "rank 0 device neuron:0"
+    assert (tmp_path / "rank1.txt").read_text() == "rank 1 device neuron:1"
 
 
 def test_collectives_model_formulas():

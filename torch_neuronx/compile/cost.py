@@ -231,13 +231,8 @@ def charge(device: int, phase: str, kernels, externs) -> None:
         if kernels:
             # Extern kernels execute through the eager runtime, which already counts them;
             # the fused kernels are invisible to it, so they are added here.
-            t = cost_model._totals.setdefault(device, cost_model.ModelledTime(
-                platform=p.name, device=device))
-            t.seconds += k_sec
-            t.launches += len(kernels)
-            t.hbm_bytes += int(k_bytes)
-            t.by_op["compiled_kernel"] += k_sec
-            t.by_engine["fused"] += k_sec
+            cost_model._add_time(device, "compiled_kernel", k_sec, engine="fused",
+                                 launches=len(kernels), hbm_bytes=int(k_bytes))
 
 
 def modelled_graph_time(device=None, reset: bool = False) -> GraphTime:

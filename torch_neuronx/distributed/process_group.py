@@ -349,7 +349,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         cfg = _state.config()
         seconds = collectives_model.collective_seconds(op, nbytes, self.size(), self._nodes,
                                                        cfg.profile, cfg.lnc)
-        cost_model._add_time(self._device_index, f"c10d::{op}", seconds, nbytes)
+        cost_model._add_time(self._device_index, f"c10d::{op}", seconds, engine="collective",
+                             link_bytes=nbytes)
 
     def _work(self, op: str, works: list, result: list, host: _Host) -> _NeuronWork:
         w = _NeuronWork(self, op, works, result, host)
