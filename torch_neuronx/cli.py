@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("ls", help="list the virtual NeuronCores, the hardware profile and memory")
     demo = sub.add_parser("demo", help="train a small GPT on neuron, eager then compiled")
-    demo.add_argument("--steps", type=int, default=300)
+    demo.add_argument("--steps", type=int, default=500)
     demo.add_argument("--batch", type=int, default=16)
     demo.add_argument("--device", default="neuron")
     demo.add_argument("--bf16", action="store_true", help="train under bf16 autocast")

@@ -181,8 +181,13 @@ _lock = threading.Lock()
 _graph_totals: dict = {}
 
 
+# Loop-body operations per engine instruction: VectorE's tensor_scalar applies two ALU ops
+# per element in one pass, ScalarE's activation computes func(x * scale + bias).
+_OPS_PER_INSTRUCTION = 2
+
+
 def _fused_seconds(p, lnc, vec, sca, nbytes):
-    vector = vec / (p.vector_lanes * p.vector_clock * lnc)
+    vector = vec / _OPS_PER_INSTRUCTION / (p.vector_lanes * p.vector_clock * lnc)
     scalar = sca / (p.vector_lanes * p.scalar_clock * lnc)
     hbm = nbytes / p.core_hbm_bandwidth(lnc)
     return p.launch_overhead_ns * 1e-9 + max(vector, scalar, hbm)

@@ -65,7 +65,7 @@ def _report(label, r, platform):
           f"{r['launches']:.0f} launches/step; busiest: {top}")
 
 
-def run(steps=300, batch=16, compile=True, device="neuron", autocast=False) -> int:
+def run(steps=500, batch=16, compile=True, device="neuron", autocast=False) -> int:
     from .._state import config
     cfg = config()
     platform = cfg.profile.name
