@@ -101,6 +101,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
       update(st.stats.active[0], 1);
     }
     auto* b = new Block{ptr, size, n, d};
+    if (check::enabled()) check::on_alloc(ptr, d);
     return c10::DataPtr(ptr, b, &free_block, c10::Device(kDevice, d));
   }
 
@@ -176,6 +177,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
       update(st.stats.active[0], 1);
     }
     auto* a = new Adopted{std::move(cpu), size, d};
+    if (check::enabled()) check::on_alloc(ptr, d);
     return c10::DataPtr(ptr, a, &free_adopted, c10::Device(kDevice, d));
   }
 
@@ -197,12 +199,14 @@ class NeuronAllocator final : public c10::DeviceAllocator {
   static void free_block(void* ctx) {
     if (!ctx) return;
     auto* b = static_cast<Block*>(ctx);
+    if (check::enabled()) check::on_free(b->ptr);
     instance().release(b);
     delete b;
   }
 
   static void free_adopted(void* ctx) {
     auto* a = static_cast<Adopted*>(ctx);
+    if (check::enabled()) check::on_free(a->storage.data());
     {
       auto& self = instance();
       std::lock_guard<std::mutex> g(self.mu_);

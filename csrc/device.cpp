@@ -20,6 +20,13 @@ std::atomic<int> g_device_count{0};
 thread_local c10::DeviceIndex t_current_device = 0;
 }  // namespace
 
+namespace {
+constexpr int kMaxStreamDevices = 64;
+thread_local std::array<c10::StreamId, kMaxStreamDevices> t_current_stream{};
+}  // namespace
+
+int64_t current_stream_id(c10::DeviceIndex d) { return t_current_stream[d]; }
+
 c10::DeviceIndex device_count() { return static_cast<c10::DeviceIndex>(g_device_count.load()); }
 void set_device_count(int n) { g_device_count.store(n); }
 c10::DeviceIndex current_device() { return t_current_device; }
@@ -40,8 +47,6 @@ namespace {
 
 // Streams: ids 0 (default) and up per device. Work runs in order on the host, so a stream
 // is always idle when the host looks at it.
-constexpr int kMaxDevices = 64;
-thread_local std::array<c10::StreamId, kMaxDevices> t_current_stream{};
 std::atomic<c10::StreamId> g_next_stream{1};
 
 struct Event {
@@ -102,16 +107,32 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     e->device = stream.device_index();
     e->recorded = true;
     e->time_ms = now_ms();
+    if (check::enabled()) check::on_event_record(e, stream.device_index(), stream.id());
   }
-  void block(void* event, const c10::Stream&) const override { (void)event; }
-  bool queryEvent(void* event) const override { (void)event; return true; }
+  void block(void* event, const c10::Stream& stream) const override {
+    if (event && check::enabled()) check::on_event_wait(event, stream.device_index(), stream.id());
+  }
+  bool queryEvent(void* event) const override {
+    if (event && check::enabled()) check::on_event_sync(event);
+    return true;
+  }
   void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override {
+    if (check::enabled()) check::on_event_destroy(event);
     delete static_cast<Event*>(event);
   }
-  bool queryStream(const c10::Stream&) const override { return true; }
-  void synchronizeStream(const c10::Stream&) const override {}
-  void synchronizeEvent(void*) const override {}
-  void synchronizeDevice(const c10::DeviceIndex) const override {}
+  bool queryStream(const c10::Stream& s) const override {
+    if (check::enabled()) check::on_stream_sync(s.device_index(), s.id());
+    return true;
+  }
+  void synchronizeStream(const c10::Stream& s) const override {
+    if (check::enabled()) check::on_stream_sync(s.device_index(), s.id());
+  }
+  void synchronizeEvent(void* event) const override {
+    if (event && check::enabled()) check::on_event_sync(event);
+  }
+  void synchronizeDevice(const c10::DeviceIndex d) const override {
+    if (check::enabled()) check::on_device_sync(d);
+  }
   void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream&) const override {}
   double elapsedTime(void* start, void* end, const c10::DeviceIndex) const override {
     auto* a = static_cast<Event*>(start);

@@ -244,6 +244,15 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   at::Tensor src_h = host_side(self, "source");
   at::Tensor dst_h = host_side(dst, "destination");
   dst_h.copy_(src_h);
+  if (check::enabled()) {
+    std::vector<const void*> reads, writes;
+    if (self.device().type() == kDevice) reads.push_back(self.storage().data());
+    if (dst.device().type() == kDevice) writes.push_back(dst.storage().data());
+    auto d = dst.device().type() == kDevice ? dst.device().index() : self.device().index();
+    check::on_op("aten::copy_", d, reads, writes);
+    // A copy to the host waits for the stream that produced the data.
+    if (dst.device().type() != kDevice) check::on_stream_sync(d, current_stream_id(d));
+  }
   if (g_recording) {
     Signature s;
     s.add(dst);
@@ -327,6 +336,9 @@ bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& 
 
 void record_stream(at::Tensor& self, c10::Stream stream) {
   allocator()->recordStream(self.storage().data_ptr(), stream);
+  if (check::enabled()) {
+    check::on_record_stream(self.storage().data(), stream.device_index(), stream.id());
+  }
 }
 
 c10::optional<at::Tensor> alias_opt(const c10::optional<at::Tensor>& t) {
@@ -437,6 +449,7 @@ struct Context {
   c10::SmallVector<std::pair<at::Tensor, at::Tensor>, 4> mutated;  // (device, alias)
 
   bool sparse = false;
+  std::vector<const void*> reads, writes;  // for the stream checker
 
   at::Tensor to_host(const at::Tensor& t, bool mutable_arg) {
     auto d = t.device().index();
@@ -450,6 +463,7 @@ struct Context {
       return a;
     }
     at::Tensor a = cpu_alias(t);
+    if (check::enabled()) (mutable_arg ? writes : reads).push_back(t.storage().data());
     storages.emplace_back(a.storage().unsafeGetStorageImpl(), t.storage());
     if (mutable_arg) mutated.emplace_back(t, a);
     if (dtype == c10::ScalarType::Undefined) dtype = t.scalar_type();
@@ -683,6 +697,20 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     }
   }
 
+  if (check::enabled()) {
+    for (size_t j = 0; j < rets.size(); ++j) {
+      const c10::IValue& iv = (*stack)[r0 + j];
+      if (iv.isTensor() && iv.toTensor().defined() && iv.toTensor().device().type() == kDevice &&
+          iv.toTensor().layout() == c10::kStrided) {
+        ctx.writes.push_back(iv.toTensor().storage().data());
+      }
+    }
+    const char* name = schema.operator_name().name.c_str();
+    check::on_op(name, ctx.device, ctx.reads, ctx.writes);
+    if (schema.operator_name().name == "aten::_local_scalar_dense") {
+      check::on_stream_sync(ctx.device, current_stream_id(ctx.device));
+    }
+  }
   c10::ScalarType dtype = ctx.dtype != c10::ScalarType::Undefined ? ctx.dtype : out_dtype;
   if (dtype != c10::ScalarType::Undefined && unportable(dtype)) warn_unportable(op, dtype);
   if (g_recording) {

@@ -16,7 +16,43 @@ std::vector<std::tuple<std::string, int, int, std::vector<int64_t>, int64_t, int
 drain_records();
 }  // namespace neuron
 
+namespace {
+
+// The user's source line for the stream checker's reports: the innermost Python frame
+// outside torch and torch_neuronx.
+std::string python_where() {
+  if (!Py_IsInitialized()) return "<no Python>";
+  pybind11::gil_scoped_acquire gil;
+  PyFrameObject* frame = PyEval_GetFrame();
+  if (!frame) return "<autograd or C++ thread>";
+  Py_INCREF(frame);
+  std::string fallback;
+  while (frame) {
+    PyCodeObject* code = PyFrame_GetCode(frame);
+    const char* file = PyUnicode_AsUTF8(code->co_filename);
+    std::string f = file ? file : "?";
+    std::string where = f + ":" + std::to_string(PyFrame_GetLineNumber(frame));
+    Py_DECREF(code);
+    if (fallback.empty()) fallback = where;
+    bool internal = f.find("/torch/") != std::string::npos ||
+                    f.find("/torch_neuronx/") != std::string::npos || f.rfind("<", 0) == 0;
+    if (!internal) {
+      Py_DECREF(frame);
+      return where;
+    }
+    PyFrameObject* back = PyFrame_GetBack(frame);
+    Py_DECREF(frame);
+    frame = back;
+  }
+  return fallback;
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  neuron::check::set_where(&python_where);
+  m.def("_set_stream_check", &neuron::check::set_enabled);
+  m.def("_stream_check_enabled", &neuron::check::enabled);
   m.def("_set_device_count", &neuron::set_device_count);
   m.def("_device_count", [] { return int(neuron::device_count()); });
   m.def("_current_device", [] { return int(neuron::current_device()); });

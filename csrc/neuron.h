@@ -44,4 +44,24 @@ at::Tensor cpu_alias(const at::Tensor& t);
 // Device tensor over the memory of a fresh CPU tensor.
 at::Tensor adopt_tensor(const at::Tensor& cpu, c10::DeviceIndex d);
 
+int64_t current_stream_id(c10::DeviceIndex d);
+
+// The stream checker (stream_check.cpp); every hook is a no-op unless enabled().
+namespace check {
+bool enabled();
+void set_enabled(bool on);
+void set_where(std::string (*fn)());
+void on_op(const char* op, c10::DeviceIndex d, const std::vector<const void*>& reads,
+           const std::vector<const void*>& writes);
+void on_alloc(const void* p, c10::DeviceIndex d);
+void on_free(const void* p);
+void on_record_stream(const void* p, c10::DeviceIndex d, int64_t stream);
+void on_event_record(const void* ev, c10::DeviceIndex d, int64_t stream);
+void on_event_wait(const void* ev, c10::DeviceIndex d, int64_t stream);
+void on_event_sync(const void* ev);
+void on_event_destroy(const void* ev);
+void on_stream_sync(c10::DeviceIndex d, int64_t stream);
+void on_device_sync(c10::DeviceIndex d);
+}  // namespace check
+
 }  // namespace neuron

@@ -65,6 +65,10 @@ def _stop_autograd_workers() -> None:
 _register()
 
 from .cost_model import modelled_time, reset_modelled_time  # noqa: E402
+from .runtime.stream_check import _from_environment as _stream_check_from_env  # noqa: E402
+from .runtime.stream_check import stream_check  # noqa: E402
+
+_stream_check_from_env()
 
 # The "neuron" c10d backend: only registers a name with torch.distributed (already imported
 # by ``import torch``); the process group module loads when a group is created.
@@ -90,7 +94,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'torch_neuronx' has no attribute {name!r}")
 
 
-__all__ = ["modelled_time", "reset_modelled_time"]
+__all__ = ["modelled_time", "reset_modelled_time", "stream_check"]
 
 
 def _quiet_printing() -> None:
