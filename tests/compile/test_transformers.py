@@ -14,9 +14,7 @@ def test_generate_static_cache_compiles_with_neuron_backend():
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
                       pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    # Eager attention: tracing scaled_dot_product_attention on neuron needs the device's
-    # _fused_sdp_choice kernel to accept fake tensors (it builds CPU aliases of them).
-    cfg._attn_implementation = "eager"
+    cfg._attn_implementation = "sdpa"
     model = LlamaForCausalLM(cfg).eval()
     ids = torch.tensor([[1, 5, 9, 13]])
     kw = dict(max_new_tokens=4, do_sample=False, cache_implementation="static")
