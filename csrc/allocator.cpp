@@ -185,15 +185,6 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     std::lock_guard<std::mutex> g(mu_);
     state_[d].limit = bytes;
   }
-  int64_t limit(c10::DeviceIndex d) {
-    std::lock_guard<std::mutex> g(mu_);
-    return state_[d].limit;
-  }
-
-  std::string summary_line(c10::DeviceIndex d) {
-    std::lock_guard<std::mutex> g(mu_);
-    return summary_locked(state_[d], d);
-  }
 
  private:
   static void free_block(void* ctx) {
@@ -367,13 +358,11 @@ void PinnedAllocator::release(void* p) {
 c10::DeviceAllocator* allocator() { return &g_allocator; }
 c10::DataPtr allocate_on(size_t n, c10::DeviceIndex d) { return g_allocator.allocate_on(n, d); }
 void set_memory_limit(c10::DeviceIndex d, int64_t bytes) { g_allocator.set_limit(d, bytes); }
-int64_t memory_limit(c10::DeviceIndex d) { return g_allocator.limit(d); }
 c10::DataPtr adopt(c10::Storage cpu_storage, c10::DeviceIndex d) {
   return g_allocator.adopt(std::move(cpu_storage), d);
 }
 c10::Allocator* pinned_allocator() { return &g_pinned; }
 bool is_pinned(const void* p) { return g_pinned.contains(p); }
-std::string memory_summary_line(c10::DeviceIndex d) { return g_allocator.summary_line(d); }
 
 REGISTER_ALLOCATOR(c10::DeviceType::PrivateUse1, &g_allocator);
 

@@ -101,7 +101,6 @@ struct RecordValue {
 
 std::mutex g_record_mu;
 std::unordered_map<RecordKey, RecordValue, RecordKeyHash> g_records;
-bool g_recording = true;
 // Set while printing: tensor printing computes in float64 internally, not the user.
 thread_local bool t_quiet = false;
 
@@ -135,17 +134,9 @@ int64_t nbytes(const at::Tensor& t) { return t.defined() ? t.numel() * t.element
 
 }  // namespace
 
-bool recording() { return g_recording; }
 void set_quiet(bool on) { t_quiet = on; }
 bool quiet() { return t_quiet; }
-void set_recording(bool on) { g_recording = on; }
 
-void record_op(const char* name, c10::DeviceIndex d, c10::ScalarType dtype,
-               const std::vector<int64_t>& signature, int64_t bytes_in, int64_t bytes_out) {
-  Signature s;
-  for (size_t i = 0; i < signature.size() && i < 16; ++i) s.key.sig[s.key.len++] = signature[i];
-  commit(s, name, d, dtype, bytes_in, bytes_out);
-}
 
 std::vector<std::tuple<std::string, int, int, std::vector<int64_t>, int64_t, int64_t, int64_t>>
 drain_records() {
@@ -244,24 +235,21 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   at::Tensor src_h = host_side(self, "source");
   at::Tensor dst_h = host_side(dst, "destination");
   dst_h.copy_(src_h);
+  auto d = dst.device().type() == kDevice ? dst.device().index() : self.device().index();
   if (check::enabled()) {
     std::vector<const void*> reads, writes;
     if (self.device().type() == kDevice) reads.push_back(self.storage().data());
     if (dst.device().type() == kDevice) writes.push_back(dst.storage().data());
-    auto d = dst.device().type() == kDevice ? dst.device().index() : self.device().index();
     check::on_op("aten::copy_", d, reads, writes);
     // A copy to the host waits for the stream that produced the data.
     if (dst.device().type() != kDevice) check::on_stream_sync(d, current_stream_id(d));
   }
-  if (g_recording) {
-    Signature s;
-    s.add(dst);
-    const char* kind = self.device().type() == kDevice
-                           ? (dst.device().type() == kDevice ? "neuron::copy_d2d" : "neuron::copy_d2h")
-                           : "neuron::copy_h2d";
-    auto d = dst.device().type() == kDevice ? dst.device().index() : self.device().index();
-    commit(s, kind, d, dst.scalar_type(), nbytes(self), nbytes(dst));
-  }
+  Signature s;
+  s.add(dst);
+  const char* kind = self.device().type() == kDevice
+                         ? (dst.device().type() == kDevice ? "neuron::copy_d2d" : "neuron::copy_d2h")
+                         : "neuron::copy_h2d";
+  commit(s, kind, d, dst.scalar_type(), nbytes(self), nbytes(dst));
   return dst;
 }
 
@@ -357,14 +345,12 @@ at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& w
                                     int64_t groups) {
   auto out = at::convolution(cpu_alias(input), cpu_alias(weight), alias_opt(bias), stride,
                              padding, dilation, transposed, output_padding, groups);
-  if (g_recording) {
-    Signature s;
-    s.add(input);
-    s.add(weight);
-    s.add(out);
-    commit(s, "aten::convolution", input.device().index(), input.scalar_type(),
-           nbytes(input) + nbytes(weight), nbytes(out));
-  }
+  Signature s;
+  s.add(input);
+  s.add(weight);
+  s.add(out);
+  commit(s, "aten::convolution", input.device().index(), input.scalar_type(),
+         nbytes(input) + nbytes(weight), nbytes(out));
   return adopt_tensor(out, input.device().index());
 }
 
@@ -377,14 +363,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable
       cpu_alias(grad_output), cpu_alias(input), cpu_alias(weight), bias_sizes, stride, padding,
       dilation, transposed, output_padding, groups, output_mask);
   auto d = input.device().index();
-  if (g_recording) {
-    Signature s;
-    s.add(grad_output);
-    s.add(input);
-    s.add(weight);
-    commit(s, "aten::convolution_backward", d, input.scalar_type(),
-           nbytes(grad_output) + nbytes(input) + nbytes(weight), nbytes(gi) + nbytes(gw));
-  }
+  Signature s;
+  s.add(grad_output);
+  s.add(input);
+  s.add(weight);
+  commit(s, "aten::convolution_backward", d, input.scalar_type(),
+         nbytes(grad_output) + nbytes(input) + nbytes(weight), nbytes(gi) + nbytes(gw));
   return {adopt_opt(gi, d), adopt_opt(gw, d), adopt_opt(gb, d)};
 }
 
@@ -713,10 +697,8 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
   c10::ScalarType dtype = ctx.dtype != c10::ScalarType::Undefined ? ctx.dtype : out_dtype;
   if (dtype != c10::ScalarType::Undefined && unportable(dtype)) warn_unportable(op, dtype);
-  if (g_recording) {
-    commit(ctx.sig, schema.operator_name().name.c_str(), ctx.device,
-           dtype == c10::ScalarType::Undefined ? c10::kFloat : dtype, ctx.bytes_in, bytes_out);
-  }
+  commit(ctx.sig, schema.operator_name().name.c_str(), ctx.device,
+         dtype == c10::ScalarType::Undefined ? c10::kFloat : dtype, ctx.bytes_in, bytes_out);
 }
 
 }  // namespace

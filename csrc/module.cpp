@@ -8,7 +8,6 @@
 #include <torch/csrc/utils/pybind.h>
 
 namespace neuron {
-void set_recording(bool on);
 int route_composites_to_cpu();
 void set_quiet(bool on);
 bool quiet();
@@ -60,10 +59,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_set_memory_limit", [](int d, int64_t bytes) {
     neuron::set_memory_limit(static_cast<c10::DeviceIndex>(d), bytes);
   });
-  m.def("_memory_limit", [](int d) { return neuron::memory_limit(static_cast<c10::DeviceIndex>(d)); });
-  m.def("_memory_summary_line", [](int d) {
-    return neuron::memory_summary_line(static_cast<c10::DeviceIndex>(d));
-  });
   m.def("_default_generator", [](int d) {
     return pybind11::reinterpret_steal<pybind11::object>(
         THPGenerator_initDefaultGenerator(neuron::default_generator(static_cast<c10::DeviceIndex>(d))));
@@ -90,6 +85,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("_set_quiet", &neuron::set_quiet);
   m.def("_quiet", &neuron::quiet);
-  m.def("_set_recording", &neuron::set_recording);
   m.def("_drain_op_records", &neuron::drain_records);
 }

@@ -23,17 +23,11 @@ void check_device(c10::DeviceIndex d);  // clear error for an index out of range
 c10::DeviceAllocator* allocator();
 c10::DataPtr allocate_on(size_t n, c10::DeviceIndex d);
 void set_memory_limit(c10::DeviceIndex d, int64_t bytes);
-int64_t memory_limit(c10::DeviceIndex d);
 // Take ownership of host memory a CPU kernel produced, as device memory of `d`.
 c10::DataPtr adopt(c10::Storage cpu_storage, c10::DeviceIndex d);
 c10::Allocator* pinned_allocator();
 bool is_pinned(const void* p);
-std::string memory_summary_line(c10::DeviceIndex d);
 
-// Op record for the modelled-time cost model: one entry per (op, device, dtype, shapes).
-void record_op(const char* name, c10::DeviceIndex d, c10::ScalarType dtype,
-               const std::vector<int64_t>& signature, int64_t bytes_in, int64_t bytes_out);
-bool recording();
 
 // Generators.
 const at::Generator& default_generator(c10::DeviceIndex d);
