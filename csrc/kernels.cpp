@@ -409,8 +409,11 @@ at::Tensor rebuild_sparse(const at::Tensor& t, c10::Device device, F&& member) {
                                               member(impl->values()), t.sizes(), opts);
 }
 
+struct Context;
+// Host alias storage -> the device storage it stands for.
+using StorageMap = c10::SmallVector<std::pair<const c10::StorageImpl*, c10::Storage>, 8>;
 // An in-place sparse kernel may have replaced the members of the host alias.
-void sync_sparse(const at::Tensor& dev, const at::Tensor& host, c10::DeviceIndex d);
+void sync_sparse(const at::Tensor& dev, const at::Tensor& host, Context& ctx, StorageMap& fresh);
 
 bool is_device_tensor(const c10::IValue& v) {
   return v.isTensor() && v.toTensor().defined() && v.toTensor().device().type() == kDevice;
@@ -421,6 +424,15 @@ bool is_generator_arg(const c10::Argument& a) {
   return opt && opt->getElementType()->kind() == c10::TypeKind::GeneratorType;
 }
 
+// A generator's whole state: CPU's Mersenne Twister plus its cached normal samples.
+void copy_generator_state(const at::Generator& from, const at::Generator& to) {
+  auto* src = from.get<at::CPUGeneratorImpl>();
+  auto* dst = to.get<at::CPUGeneratorImpl>();
+  dst->set_engine(src->engine());
+  dst->set_next_float_normal_sample(src->next_float_normal_sample());
+  dst->set_next_double_normal_sample(src->next_double_normal_sample());
+}
+
 struct Context {
   c10::DeviceIndex device = -1;
   std::string cpu_arg;          // name of a CPU tensor argument, for the mixed-device error
@@ -429,7 +441,7 @@ struct Context {
   c10::ScalarType dtype = c10::ScalarType::Undefined;
   int64_t bytes_in = 0;
   // Inputs' alias storages, so outputs that alias an input map back to device memory.
-  c10::SmallVector<std::pair<const c10::StorageImpl*, c10::Storage>, 8> storages;
+  StorageMap storages;
   c10::SmallVector<std::pair<at::Tensor, at::Tensor>, 4> mutated;  // (device, alias)
 
   bool sparse = false;
@@ -459,13 +471,13 @@ struct Context {
 
 // An `out=` kernel may have resized its output: give the device tensor the new shape, and
 // take over the kernel's new buffer if it had to grow.
-void sync_resized(const at::Tensor& dev, const at::Tensor& host, c10::DeviceIndex d) {
-  if (dev.layout() != c10::kStrided) return sync_sparse(dev, host, d);
+void sync_resized(const at::Tensor& dev, const at::Tensor& host, Context& ctx, StorageMap& fresh) {
+  if (dev.layout() != c10::kStrided) return sync_sparse(dev, host, ctx, fresh);
   auto* impl = dev.unsafeGetTensorImpl();
   if (host.storage().data() != dev.storage().data()) {
     auto* st = dev.storage().unsafeGetStorageImpl();
     size_t n = host.storage().nbytes();
-    st->set_data_ptr_noswap(adopt(host.storage(), d));
+    st->set_data_ptr_noswap(adopt(host.storage(), ctx.device));
     st->set_nbytes(n);
   }
   if (host.sizes() != dev.sizes() || host.strides() != dev.strides() ||
@@ -474,8 +486,7 @@ void sync_resized(const at::Tensor& dev, const at::Tensor& host, c10::DeviceInde
   }
 }
 
-at::Tensor to_device(const at::Tensor& t, Context& ctx,
-                     c10::SmallVector<std::pair<const c10::StorageImpl*, c10::Storage>, 8>& fresh) {
+at::Tensor to_device(const at::Tensor& t, Context& ctx, StorageMap& fresh) {
   if (!t.defined() || t.device().type() != c10::kCPU) return t;
   if (t.layout() != c10::kStrided) {
     TORCH_CHECK(t.layout() == c10::kSparse || is_compressed(t), "neuron: a kernel produced a ",
@@ -495,17 +506,10 @@ at::Tensor to_device(const at::Tensor& t, Context& ctx,
   return out;
 }
 
-void sync_sparse(const at::Tensor& dev, const at::Tensor& host, c10::DeviceIndex d) {
-  Context ctx;
-  ctx.device = d;
-  c10::SmallVector<std::pair<const c10::StorageImpl*, c10::Storage>, 8> fresh;
-  auto back = [&](const at::Tensor& m) {
-    // Members that still alias device memory map back to it.
-    if (m.defined() && m.device().is_cpu()) {
-      return to_device(m, ctx, fresh);
-    }
-    return m;
-  };
+void sync_sparse(const at::Tensor& dev, const at::Tensor& host, Context& ctx, StorageMap& fresh) {
+  // Members the kernel kept are aliases of the device members: to_device maps them back
+  // through ctx; new members are adopted.
+  auto back = [&](const at::Tensor& m) { return to_device(m, ctx, fresh); };
   if (dev.layout() == c10::kSparse) {
     auto* h = at::sparse::get_sparse_impl(host);
     auto* impl = at::sparse::get_sparse_impl(dev);
@@ -611,12 +615,8 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (gen_slot >= 0) {
     if (!gen_dev.defined()) gen_dev = default_generator(ctx.device);
     gen_lock = std::unique_lock<std::mutex>(gen_dev.mutex());
-    auto* src = gen_dev.get<at::CPUGeneratorImpl>();
     gen_host = at::make_generator<at::CPUGeneratorImpl>();
-    auto* dst = gen_host.get<at::CPUGeneratorImpl>();
-    dst->set_engine(src->engine());
-    dst->set_next_float_normal_sample(src->next_float_normal_sample());
-    dst->set_next_double_normal_sample(src->next_double_normal_sample());
+    copy_generator_state(gen_dev, gen_host);
     (*stack)[base + gen_slot] = c10::IValue(gen_host);
   }
 
@@ -636,18 +636,14 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
 
   if (gen_slot >= 0) {
-    auto* src = gen_host.get<at::CPUGeneratorImpl>();
-    auto* dst = gen_dev.get<at::CPUGeneratorImpl>();
-    dst->set_engine(src->engine());
-    dst->set_next_float_normal_sample(src->next_float_normal_sample());
-    dst->set_next_double_normal_sample(src->next_double_normal_sample());
+    copy_generator_state(gen_host, gen_dev);
     gen_lock.unlock();
   }
 
-  for (auto& [dev, host] : ctx.mutated) sync_resized(dev, host, ctx.device);
+  StorageMap fresh;
+  for (auto& [dev, host] : ctx.mutated) sync_resized(dev, host, ctx, fresh);
 
   const size_t r0 = stack->size() - rets.size();
-  c10::SmallVector<std::pair<const c10::StorageImpl*, c10::Storage>, 8> fresh;
   int64_t bytes_out = 0;
   c10::ScalarType out_dtype = c10::ScalarType::Undefined;
   for (size_t j = 0; j < rets.size(); ++j) {

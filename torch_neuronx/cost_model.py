@@ -138,7 +138,7 @@ def _account(record) -> None:
     name, device, dtype_code, sig, count, bytes_in, bytes_out = record
     cfg = _state.config()
     p, lnc = cfg.profile, cfg.lnc
-    t = _totals.setdefault(device, ModelledTime(platform=p.name, device=device))
+    t = _total(device)
     op = name.split("::", 1)[-1]
     dtype = _dtype_from_code(dtype_code)
     if op.startswith("copy_"):
@@ -154,9 +154,7 @@ def _account(record) -> None:
             t.flops += count * 2.0 * math.prod(dims)
             engine = "tensor"
         else:
-            itemsize = torch.empty((), dtype=dtype).element_size() if dtype.is_floating_point or \
-                dtype in (torch.int32, torch.int64, torch.int8, torch.uint8, torch.bool, torch.int16) else 4
-            elems = max(bytes_in, bytes_out) / max(itemsize, 1)
+            elems = max(bytes_in, bytes_out) / dtype.itemsize
             base = op.rstrip("_")
             scalar = op in _SCALAR_ENGINE or base in _SCALAR_ENGINE
             clock = p.scalar_clock if scalar else p.vector_clock
@@ -168,6 +166,13 @@ def _account(record) -> None:
     t.launches += count
     t.by_op[op] += seconds
     t.by_engine[engine] += seconds
+
+
+def _total(device: int) -> ModelledTime:
+    t = _totals.get(device)
+    if t is None:
+        t = _totals[device] = ModelledTime(platform=_state.config().profile.name, device=device)
+    return t
 
 
 def _drain() -> None:
@@ -182,12 +187,9 @@ def modelled_time(device=None, reset: bool = False) -> ModelledTime:
     from .neuron import _index
     _drain()
     idx = _index(device)
-    cfg = _state.config()
     with _lock:
-        t = _totals.get(idx) or ModelledTime(platform=cfg.profile.name, device=idx)
-        if reset:
-            _totals.pop(idx, None)
-    return t
+        t = _totals.pop(idx, None) if reset else _totals.get(idx)
+    return t or ModelledTime(platform=_state.config().profile.name, device=idx)
 
 
 def reset_modelled_time(device=None) -> None:
@@ -208,9 +210,8 @@ def _add_time(device: int, name: str, seconds: float, *, engine: str, launches: 
     ("collective", bytes over the interconnect)."""
     from .neuron import _index
     device = _index(device)
-    cfg = _state.config()
     with _lock:
-        t = _totals.setdefault(device, ModelledTime(platform=cfg.profile.name, device=device))
+        t = _total(device)
         t.seconds += seconds
         t.launches += launches
         t.flops += flops

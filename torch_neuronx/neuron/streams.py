@@ -19,9 +19,6 @@ class Stream(torch.Stream):
             return super().__new__(cls, **kwargs)
         return super().__new__(cls, device=torch.device("neuron", _index(device)), priority=priority)
 
-    def wait_stream(self, stream) -> None:
-        self.wait_event(stream.record_event())
-
     def __repr__(self):
         return f"<torch.neuron.Stream device=neuron:{self.device_index} stream_id={self.stream_id}>"
 
