@@ -10,7 +10,8 @@ setup(
     ext_modules=[
         CppExtension(
             "torch_neuronx._C",
-            sources=["csrc/allocator.cpp", "csrc/device.cpp", "csrc/kernels.cpp", "csrc/module.cpp",
+            sources=["csrc/allocator.cpp", "csrc/device.cpp", "csrc/kernels.cpp", "csrc/launch.cpp", "csrc/module.cpp",
+                     "csrc/queue.cpp",
                      "csrc/stream_check.cpp"],
             extra_compile_args=["-O2", "-std=c++17"],
         )

@@ -7,6 +7,7 @@
 #include <array>
 #include <cstdlib>
 #include <fstream>
+#include <deque>
 #include <mutex>
 #include <sstream>
 #include <unordered_map>
@@ -64,8 +65,18 @@ struct Adopted {
   c10::DeviceIndex device;
 };
 
+// A freed block that queued work launched before the free may still use: it becomes
+// reusable once the device's queue has run past `seq` (stream-ordered reuse).
+struct Deferred {
+  uint64_t seq;
+  void* ptr;
+  size_t size;
+  Adopted* adopted;  // set for an adopted CPU buffer, released instead of cached
+};
+
 struct DeviceState {
   std::unordered_map<size_t, std::vector<void*>> free_blocks;
+  std::deque<Deferred> deferred;
   size_t cached_bytes = 0;
   DeviceStats stats;
   int64_t limit = 0;
@@ -86,6 +97,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     {
       std::lock_guard<std::mutex> g(mu_);
       auto& st = state_[d];
+      reclaim_locked(st, d);
       auto it = st.free_blocks.find(size);
       if (it != st.free_blocks.end() && !it->second.empty()) {
         ptr = it->second.back();
@@ -115,11 +127,15 @@ class NeuronAllocator final : public c10::DeviceAllocator {
 
   void emptyCache(c10::MempoolId_t) override {
     std::lock_guard<std::mutex> g(mu_);
-    for (int d = 0; d < kMaxDevices; ++d) release_cache_locked(state_[d]);
+    for (int d = 0; d < kMaxDevices; ++d) {
+      reclaim_locked(state_[d], static_cast<c10::DeviceIndex>(d));
+      release_cache_locked(state_[d]);
+    }
   }
 
   void recordStream(const c10::DataPtr&, c10::Stream) override {
-    // Streams execute in order on the host: a freed block is never in flight.
+    // One in-order executor runs all of a device's streams, and a freed block waits for the
+    // work launched before its free (see Deferred): a block is never reused while in flight.
   }
 
   DeviceStats getDeviceStats(c10::DeviceIndex d) override {
@@ -198,10 +214,21 @@ class NeuronAllocator final : public c10::DeviceAllocator {
   static void free_adopted(void* ctx) {
     auto* a = static_cast<Adopted*>(ctx);
     if (check::enabled()) check::on_free(a->storage.data());
+    uint64_t seq = queue::busy_until(a->device);
     {
       auto& self = instance();
       std::lock_guard<std::mutex> g(self.mu_);
       auto& st = self.state_[a->device];
+      if (seq) {
+        // Counted as freed now (as CUDA's allocator does); released once the queue passes.
+        st.deferred.push_back({seq, nullptr, a->size, a});
+        update(st.stats.allocated_bytes[0], -int64_t(a->size));
+        update(st.stats.active_bytes[0], -int64_t(a->size));
+        update(st.stats.requested_bytes[0], -int64_t(a->size));
+        update(st.stats.allocation[0], -1);
+        update(st.stats.active[0], -1);
+        return;
+      }
       update(st.stats.reserved_bytes[0], -int64_t(a->size));
       update(st.stats.segment[0], -1);
       update(st.stats.allocated_bytes[0], -int64_t(a->size));
@@ -214,10 +241,15 @@ class NeuronAllocator final : public c10::DeviceAllocator {
   }
 
   void release(Block* b) {
+    uint64_t seq = queue::busy_until(b->device);
     std::lock_guard<std::mutex> g(mu_);
     auto& st = state_[b->device];
-    st.free_blocks[b->size].push_back(b->ptr);
-    st.cached_bytes += b->size;
+    if (seq) {
+      st.deferred.push_back({seq, b->ptr, b->size, nullptr});
+    } else {
+      st.free_blocks[b->size].push_back(b->ptr);
+      st.cached_bytes += b->size;
+    }
     update(st.stats.allocated_bytes[0], -int64_t(b->size));
     update(st.stats.active_bytes[0], -int64_t(b->size));
     update(st.stats.requested_bytes[0], -int64_t(b->requested));
@@ -225,9 +257,30 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     update(st.stats.active[0], -1);
   }
 
+  // Deferred frees whose launching work has run become reusable (in free order).
+  void reclaim_locked(DeviceState& st, c10::DeviceIndex d) {
+    while (!st.deferred.empty() && queue::has_run(d, st.deferred.front().seq)) {
+      auto f = st.deferred.front();
+      st.deferred.pop_front();
+      if (f.adopted) {
+        update(st.stats.reserved_bytes[0], -int64_t(f.size));
+        update(st.stats.segment[0], -1);
+        delete f.adopted;
+      } else {
+        st.free_blocks[f.size].push_back(f.ptr);
+        st.cached_bytes += f.size;
+      }
+    }
+  }
+
   void* fresh_block_locked(DeviceState& st, size_t size, size_t requested, c10::DeviceIndex d) {
     if (st.stats.reserved_bytes[0].current + int64_t(size) > st.limit) {
       st.stats.num_alloc_retries++;
+      if (!st.deferred.empty()) {
+        // Memory freed behind queued work: let the device catch up, then reuse it.
+        queue::wait_idle(d);
+        reclaim_locked(st, d);
+      }
       release_cache_locked(st);
     }
     if (st.stats.reserved_bytes[0].current + int64_t(size) > st.limit) {

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <memory>
 #include <mutex>
 
 namespace neuron {
@@ -45,14 +46,16 @@ void set_current_device(c10::DeviceIndex d) {
 
 namespace {
 
-// Streams: ids 0 (default) and up per device. Work runs in order on the host, so a stream
-// is always idle when the host looks at it.
+// Streams: ids 0 (default) and up per device; their work runs on the device's queue.
 std::atomic<c10::StreamId> g_next_stream{1};
 
 struct Event {
   c10::DeviceIndex device = -1;
   bool recorded = false;
-  double time_ms = 0.0;
+  uint64_t seq = 0;  // the queue position of the record
+  // Written by the device when it reaches the record; a new cell per record, so a pending
+  // record never writes into a later one.
+  std::shared_ptr<std::atomic<double>> time_ms;
 };
 
 double now_ms() {
@@ -106,31 +109,51 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     (void)device_index;
     e->device = stream.device_index();
     e->recorded = true;
-    e->time_ms = now_ms();
+    auto cell = std::make_shared<std::atomic<double>>(0.0);
+    e->time_ms = cell;
+    if (queue::asynchronous()) {
+      // The device's clock when the queue reaches the record, as on the chip.
+      e->seq = queue::launch(e->device, stream.id(), "neuron::event_record",
+                             [cell] { cell->store(now_ms()); });
+    } else {
+      e->seq = 0;
+      cell->store(now_ms());
+    }
     if (check::enabled()) check::on_event_record(e, stream.device_index(), stream.id());
   }
+  // One in-order executor per device runs every stream: work launched after the wait already
+  // follows the recorded work.
   void block(void* event, const c10::Stream& stream) const override {
     if (event && check::enabled()) check::on_event_wait(event, stream.device_index(), stream.id());
   }
   bool queryEvent(void* event) const override {
-    if (event && check::enabled()) check::on_event_sync(event);
-    return true;
+    if (!event) return true;
+    auto* e = static_cast<Event*>(event);
+    bool done = e->device < 0 || queue::query(e->device, e->seq);
+    if (done && check::enabled()) check::on_event_sync(event);
+    return done;
   }
   void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override {
     if (check::enabled()) check::on_event_destroy(event);
     delete static_cast<Event*>(event);
   }
   bool queryStream(const c10::Stream& s) const override {
-    if (check::enabled()) check::on_stream_sync(s.device_index(), s.id());
-    return true;
+    bool done = queue::query_stream(s.device_index(), s.id());
+    if (done && check::enabled()) check::on_stream_sync(s.device_index(), s.id());
+    return done;
   }
   void synchronizeStream(const c10::Stream& s) const override {
+    queue::synchronize_stream(s.device_index(), s.id());
     if (check::enabled()) check::on_stream_sync(s.device_index(), s.id());
   }
   void synchronizeEvent(void* event) const override {
-    if (event && check::enabled()) check::on_event_sync(event);
+    if (!event) return;
+    auto* e = static_cast<Event*>(event);
+    if (e->device >= 0) queue::wait_for(e->device, e->seq);
+    if (check::enabled()) check::on_event_sync(event);
   }
   void synchronizeDevice(const c10::DeviceIndex d) const override {
+    queue::synchronize(d < 0 ? current_device() : d);
     if (check::enabled()) check::on_device_sync(d);
   }
   void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream&) const override {}
@@ -139,7 +162,10 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     auto* b = static_cast<Event*>(end);
     TORCH_CHECK(a && b && a->recorded && b->recorded,
                 "elapsed_time: both events must be recorded before measuring elapsed time");
-    return b->time_ms - a->time_ms;
+    TORCH_CHECK(queue::query(a->device, a->seq) && queue::query(b->device, b->seq),
+                "elapsed_time: both events must have completed (call event.synchronize() "
+                "first); the device has not reached them yet");
+    return b->time_ms->load() - a->time_ms->load();
   }
 };
 
@@ -186,6 +212,8 @@ struct NeuronHooks final : public at::PrivateUse1HooksInterface {
   void resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const override {
     auto* impl = storage.unsafeGetStorageImpl();
     c10::DeviceIndex d = impl->data_ptr().device().index();
+    // Queued work holds this storage's current buffer: let it finish before the move.
+    queue::synchronize_all();
     c10::DataPtr fresh = allocate_on(newsize, d);
     size_t keep = std::min(newsize, impl->nbytes());
     if (keep && impl->data()) std::memcpy(fresh.get(), impl->data(), keep);

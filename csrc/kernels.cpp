@@ -134,6 +134,15 @@ int64_t nbytes(const at::Tensor& t) { return t.defined() ? t.numel() * t.element
 
 }  // namespace
 
+void record_op(const char* name, c10::DeviceIndex d, c10::ScalarType dtype,
+               c10::ArrayRef<at::Tensor> shape_tensors, int64_t bytes_in, int64_t bytes_out) {
+  Signature s;
+  for (const auto& t : shape_tensors) s.add(t);
+  commit(s, name, d, dtype, bytes_in, bytes_out);
+}
+
+std::vector<std::pair<std::string, int64_t>> sync_op_counts(bool reset);
+
 void set_quiet(bool on) { t_quiet = on; }
 bool quiet() { return t_quiet; }
 
@@ -179,6 +188,14 @@ void warn_unportable(const c10::OperatorHandle& op, c10::ScalarType t) {
              ", which Trainium's engines do not support; it runs on the virtual NeuronCore "
              "but will not port to the chip as is (warned once per op and dtype).");
 }
+
+}  // namespace
+
+void warn_if_unportable(const c10::OperatorHandle& op, c10::ScalarType t) {
+  if (unportable(t)) warn_unportable(op, t);
+}
+
+namespace {
 
 c10::DeviceIndex resolve(c10::optional<c10::Device> device) {
   c10::DeviceIndex d = (device && device->has_index()) ? device->index() : current_device();
@@ -230,25 +247,41 @@ at::Tensor host_side(const at::Tensor& t, const char* role) {
   return t;
 }
 
+// Copies queue like kernels, except copies to the host (a host read: wait for the device)
+// and large host-to-device copies (CUDA also copies pageable memory synchronously). A small
+// host source is snapshotted, so the caller may reuse its buffer at once.
+constexpr int64_t kSnapshotBytes = 1 << 20;
+
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
   (void)non_blocking;
+  bool from_dev = self.device().type() == kDevice;
+  bool to_dev = dst.device().type() == kDevice;
   at::Tensor src_h = host_side(self, "source");
   at::Tensor dst_h = host_side(dst, "destination");
-  dst_h.copy_(src_h);
-  auto d = dst.device().type() == kDevice ? dst.device().index() : self.device().index();
+  auto d = to_dev ? dst.device().index() : self.device().index();
+  bool queued = to_dev && queue::asynchronous() && !check::enabled() &&
+                (from_dev ? self.device().index() == d : nbytes(self) <= kSnapshotBytes) && dst_h.layout() == c10::kStrided &&
+                src_h.layout() == c10::kStrided;
+  if (queued) {
+    if (!from_dev) src_h = src_h.clone();
+    queue::launch(d, current_stream_id(d), "aten::copy_",
+                  [dst_h, src_h]() mutable { dst_h.copy_(src_h); });
+  } else {
+    if (from_dev || to_dev) queue::synchronize_all();
+    dst_h.copy_(src_h);
+  }
   if (check::enabled()) {
     std::vector<const void*> reads, writes;
-    if (self.device().type() == kDevice) reads.push_back(self.storage().data());
-    if (dst.device().type() == kDevice) writes.push_back(dst.storage().data());
+    if (from_dev) reads.push_back(self.storage().data());
+    if (to_dev) writes.push_back(dst.storage().data());
     check::on_op("aten::copy_", d, reads, writes);
     // A copy to the host waits for the stream that produced the data.
-    if (dst.device().type() != kDevice) check::on_stream_sync(d, current_stream_id(d));
+    if (!to_dev) check::on_stream_sync(d, current_stream_id(d));
   }
   Signature s;
   s.add(dst);
-  const char* kind = self.device().type() == kDevice
-                         ? (dst.device().type() == kDevice ? "neuron::copy_d2d" : "neuron::copy_d2h")
-                         : "neuron::copy_h2d";
+  const char* kind = from_dev ? (to_dev ? "neuron::copy_d2d" : "neuron::copy_d2h")
+                              : "neuron::copy_h2d";
   commit(s, kind, d, dst.scalar_type(), nbytes(self), nbytes(dst));
   return dst;
 }
@@ -343,6 +376,7 @@ at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& w
                                     c10::IntArrayRef padding, c10::IntArrayRef dilation,
                                     bool transposed, c10::IntArrayRef output_padding,
                                     int64_t groups) {
+  queue::synchronize_all();
   auto out = at::convolution(cpu_alias(input), cpu_alias(weight), alias_opt(bias), stride,
                              padding, dilation, transposed, output_padding, groups);
   Signature s;
@@ -358,6 +392,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
     c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation, bool transposed,
     c10::IntArrayRef output_padding, int64_t groups, std::array<bool, 3> output_mask) {
+  queue::synchronize_all();
   std::vector<int64_t> bias_sizes{transposed ? weight.size(1) * groups : weight.size(0)};
   auto [gi, gw, gb] = at::convolution_backward(
       cpu_alias(grad_output), cpu_alias(input), cpu_alias(weight), bias_sizes, stride, padding,
@@ -524,13 +559,23 @@ void sync_sparse(const at::Tensor& dev, const at::Tensor& host, Context& ctx, St
   }
 }
 
+void run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+
+// Ops that had to wait for the device although asynchronous launch was on, by name: what
+// `torch_neuronx.queue_stats()` reports to explain lost overlap.
+std::mutex g_sync_mu;
+std::unordered_map<const char*, int64_t> g_sync_ops;
+void count_sync(const char* name) {
+  std::lock_guard<std::mutex> g(g_sync_mu);
+  ++g_sync_ops[name];
+}
+
 void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
-  const auto& args = schema.arguments();
   const auto& rets = schema.returns();
+  const size_t n = schema.arguments().size();
 
   // View ops: CPU's kernel only rewrites metadata and keeps the input's storage and keys.
-  const size_t n = args.size();
   for (const auto& r : rets) {
     if (r.alias_info() && !r.alias_info()->isWrite()) {
       auto key = c10::DispatchKey::CPU;
@@ -545,7 +590,24 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       return;
     }
   }
+  // In-place view ops (t_, squeeze_) change metadata only: no need to wait for the device.
+  std::shared_ptr<void> learning;
+  if (!op.hasTag(at::Tag::inplace_view)) {
+    if (queue::asynchronous() && !check::enabled()) {
+      if (launch::try_launch(op, stack, &learning)) return;
+      if (!learning) count_sync(schema.operator_name().name.c_str());
+    }
+    queue::synchronize_all();
+  }
+  run_now(op, stack);
+  if (learning) launch::confirm(learning, op, *stack);
+}
 
+void run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const auto& args = schema.arguments();
+  const auto& rets = schema.returns();
+  const size_t n = args.size();
   const size_t base = stack->size() - n;
   Context ctx;
   c10::SmallVector<std::pair<size_t, c10::IValue>, 2> originals;  // mutable args as passed
@@ -698,6 +760,16 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 }
 
 }  // namespace
+}  // namespace neuron
+
+namespace neuron {
+std::vector<std::pair<std::string, int64_t>> sync_op_counts(bool reset) {
+  std::lock_guard<std::mutex> g(g_sync_mu);
+  std::vector<std::pair<std::string, int64_t>> out;
+  for (auto& [k, v] : g_sync_ops) out.emplace_back(k, v);
+  if (reset) g_sync_ops.clear();
+  return out;
+}
 }  // namespace neuron
 
 namespace at::native {

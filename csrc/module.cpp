@@ -7,12 +7,15 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <unordered_set>
+
 namespace neuron {
 int route_composites_to_cpu();
 void set_quiet(bool on);
 bool quiet();
 std::vector<std::tuple<std::string, int, int, std::vector<int64_t>, int64_t, int64_t, int64_t>>
 drain_records();
+std::vector<std::pair<std::string, int64_t>> sync_op_counts(bool reset);
 }  // namespace neuron
 
 namespace {
@@ -46,10 +49,66 @@ std::string python_where() {
   return fallback;
 }
 
+// A launch site: the innermost few frames' code and instruction offset, cheap to take at
+// every launch. Code objects are kept alive once seen (they are few), so a site can be
+// described long after its frames are gone.
+neuron::queue::Site capture_site() {
+  static std::unordered_set<PyCodeObject*> kept;
+  neuron::queue::Site s;
+  // PyTorch releases the GIL around every op; frames of this thread are only valid under it.
+  if (!Py_IsInitialized() || !PyGILState_GetThisThreadState()) return s;
+  pybind11::gil_scoped_acquire gil;
+  PyFrameObject* f = PyEval_GetFrame();
+  if (!f) return s;
+  Py_INCREF(f);
+  while (f && s.n < 4) {
+    PyCodeObject* code = PyFrame_GetCode(f);
+    if (kept.insert(code).second) Py_INCREF(code);
+    Py_DECREF(code);
+    s.code[s.n] = code;
+    s.lasti[s.n] = PyFrame_GetLasti(f);
+    ++s.n;
+    PyFrameObject* back = PyFrame_GetBack(f);
+    Py_DECREF(f);
+    f = back;
+  }
+  Py_XDECREF(f);
+  return s;
+}
+
+// The first frame outside torch and torch_neuronx, as "file:line".
+std::string describe_site(const neuron::queue::Site& s) {
+  if (s.n == 0) return "";
+  if (!Py_IsInitialized()) return "";
+  pybind11::gil_scoped_acquire gil;
+  std::string first;
+  for (int i = 0; i < s.n; ++i) {
+    auto* code = static_cast<PyCodeObject*>(const_cast<void*>(s.code[i]));
+    const char* file = PyUnicode_AsUTF8(code->co_filename);
+    std::string f = file ? file : "?";
+    std::string where = f + ":" + std::to_string(PyCode_Addr2Line(code, s.lasti[i]));
+    if (first.empty()) first = where;
+    bool internal = f.find("/torch/") != std::string::npos ||
+                    f.find("/torch_neuronx/") != std::string::npos || f.rfind("<", 0) == 0;
+    if (!internal) return where;
+  }
+  return first;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   neuron::check::set_where(&python_where);
+  neuron::queue::set_site_hooks(&capture_site, &describe_site);
+  m.def("_set_launch_blocking", &neuron::queue::set_blocking,
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("_launch_blocking", &neuron::queue::blocking);
+  m.def("_synchronize_all", &neuron::queue::synchronize_all,
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("_enter_sync", &neuron::queue::enter_sync, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("_exit_sync", &neuron::queue::exit_sync);
+  m.def("_sync_op_counts", &neuron::sync_op_counts, pybind11::arg("reset") = false);
+  m.def("_queue_counts", [](int d) { return neuron::queue::counts(static_cast<c10::DeviceIndex>(d)); });
   m.def("_set_stream_check", &neuron::check::set_enabled);
   m.def("_stream_check_enabled", &neuron::check::enabled);
   m.def("_set_device_count", &neuron::set_device_count);
@@ -67,6 +126,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // such as gloo that read and write host buffers. It keeps the device storage alive.
   m.def("_cpu_alias", [](const at::Tensor& t) {
     TORCH_CHECK(t.device().type() == neuron::kDevice, "_cpu_alias expects a neuron tensor, got ", t.device());
+    // The caller reads or writes the memory directly: queued work on it must be done.
+    {
+      pybind11::gil_scoped_release no_gil;
+      neuron::queue::synchronize_all();
+    }
     auto alias = neuron::cpu_alias(t);
     auto keep = t.storage();
     auto* st = alias.storage().unsafeGetStorageImpl();

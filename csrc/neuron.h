@@ -5,8 +5,14 @@
 #include <ATen/ATen.h>
 #include <c10/core/CachingDeviceAllocator.h>
 
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
+
+namespace c10 {
+class OperatorHandle;
+}
 
 namespace neuron {
 
@@ -39,6 +45,50 @@ at::Tensor cpu_alias(const at::Tensor& t);
 at::Tensor adopt_tensor(const at::Tensor& cpu, c10::DeviceIndex d);
 
 int64_t current_stream_id(c10::DeviceIndex d);
+
+// The cost model's op record and the once-per-op warning for dtypes Trainium lacks.
+void record_op(const char* name, c10::DeviceIndex d, c10::ScalarType dtype,
+               c10::ArrayRef<at::Tensor> shape_tensors, int64_t bytes_in, int64_t bytes_out);
+void warn_if_unportable(const c10::OperatorHandle& op, c10::ScalarType dtype);
+
+namespace launch {
+// Queues the op on `stack` to run asynchronously; false: it must run now.
+// A signature seen for the first time fills `learning`; the caller runs the op now and then
+// calls confirm() with the results on the stack.
+bool try_launch(const c10::OperatorHandle& op, std::vector<c10::IValue>* stack,
+                std::shared_ptr<void>* learning);
+void confirm(std::shared_ptr<void>& learning, const c10::OperatorHandle& op,
+             const std::vector<c10::IValue>& stack);
+}  // namespace launch
+
+// The device's work queues (queue.cpp): launched work runs in order on the device's executor
+// thread; host reads wait for it.
+namespace queue {
+struct Site {  // where Python launched a piece of work: a few frames, resolved on error only
+  const void* code[4] = {};
+  int lasti[4] = {};
+  int n = 0;
+};
+bool asynchronous();  // false under NEURON_LAUNCH_BLOCKING=1 or inside a synchronous region
+bool blocking();
+void set_blocking(bool on);
+void enter_sync();  // host code reading device memory directly (compiled graphs, NKI)
+void exit_sync();
+void set_site_hooks(Site (*capture)(), std::string (*describe)(const Site&));
+uint64_t launch(c10::DeviceIndex d, int64_t stream, const char* op, std::function<void()> run);
+void synchronize(c10::DeviceIndex d);
+void synchronize_all();
+void synchronize_stream(c10::DeviceIndex d, int64_t stream);
+bool query_stream(c10::DeviceIndex d, int64_t stream);
+void wait_for(c10::DeviceIndex d, uint64_t seq);
+bool query(c10::DeviceIndex d, uint64_t seq);
+std::pair<int64_t, int64_t> counts(c10::DeviceIndex d);  // (launched, executed)
+// For the allocator: the last launched work if the device is still busy (else 0), whether
+// the device has run work `seq`, and a wait that never raises.
+uint64_t busy_until(c10::DeviceIndex d);
+bool has_run(c10::DeviceIndex d, uint64_t seq);
+void wait_idle(c10::DeviceIndex d);
+}  // namespace queue
 
 // The stream checker (stream_check.cpp); every hook is a no-op unless enabled().
 namespace check {

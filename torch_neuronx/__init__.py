@@ -70,6 +70,15 @@ from .runtime.stream_check import stream_check  # noqa: E402
 
 _stream_check_from_env()
 
+from .runtime.queue import _drain_at_exit  # noqa: E402
+from .runtime.queue import _from_environment as _queue_from_env  # noqa: E402
+from .runtime.queue import is_launch_blocking, queue_stats, set_launch_blocking  # noqa: E402
+
+_queue_from_env()
+import atexit as _atexit  # noqa: E402
+
+_atexit.register(_drain_at_exit)  # registered after the autograd one, so it runs first
+
 # The "neuron" c10d backend: only registers a name with torch.distributed (already imported
 # by ``import torch``); the process group module loads when a group is created.
 from .distributed import _register as _register_distributed  # noqa: E402
@@ -94,7 +103,8 @@ def __getattr__(name):
     raise AttributeError(f"module 'torch_neuronx' has no attribute {name!r}")
 
 
-__all__ = ["modelled_time", "reset_modelled_time", "stream_check"]
+__all__ = ["modelled_time", "reset_modelled_time", "stream_check", "set_launch_blocking",
+           "is_launch_blocking", "queue_stats"]
 
 
 def _quiet_printing() -> None:

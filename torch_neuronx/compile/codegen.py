@@ -111,12 +111,16 @@ def _classes():
         def write_header(self) -> None:
             super().write_header()
             self.header.splice("import torch_neuronx.compile.cost as _neuron_cost")
+            self.header.splice("from torch_neuronx import _C as _neuron_rt")
 
         def _generate_kernel_call_helper(self, kernel_name, call_args, *, device=None,
                                          **kwargs):
             device = device or V.graph.get_current_device_or_throw()
             if device.type == _DEVICE:
-                # The kernel is a host function over raw pointers; launch it as a CPU one.
+                # The kernel is a host function over raw pointers; launch it as a CPU one,
+                # once the device's queue has produced its inputs (ATen ops of the graph and
+                # eager work before it run asynchronously).
+                self.writeline("_neuron_rt._synchronize_all()")
                 device = torch.device("cpu")
             super()._generate_kernel_call_helper(kernel_name, call_args, device=device,
                                                  **kwargs)

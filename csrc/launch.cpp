@@ -1,0 +1,649 @@
+// Asynchronous launch of an op: what the host does so that it can return before the kernel
+// runs. Like a CUDA launch, the host must know every output's shape, strides and dtype
+// before any data exists. It gets them from the op's Meta kernel once per argument
+// signature (sizes, strides, dtypes and the non-tensor arguments that can shape a result),
+// allocates the outputs, snapshots the arguments as CPU aliases, and queues the CPU kernel.
+// An op whose outputs depend on data (nonzero, item), draws random numbers, returns
+// non-tensors or has no Meta kernel for these arguments runs synchronously instead.
+#include "neuron.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/library.h>
+
+#include <array>
+#include <cstring>
+#include <mutex>
+#include <unordered_map>
+
+namespace neuron::launch {
+
+namespace {
+
+using c10::IValue;
+
+struct Plan {
+  bool eligible = false;
+  bool has_tensor_input = false;  // a tensor argument the op reads (not only writes)
+  std::vector<int> fresh;         // returns the op allocates
+  std::vector<int> ret_arg;       // per return: the argument it writes, or -1
+  std::optional<c10::OperatorHandle> out_op;  // out= overload writing the fresh returns
+};
+
+struct OutMeta {
+  std::vector<int64_t> sizes, strides;
+  c10::ScalarType dtype;
+  bool defined;  // e.g. a gradient the output mask did not ask for
+};
+
+struct Entry {
+  std::vector<int64_t> key;
+  bool async = false;
+  bool use_out = false;  // the out= overload gave the functional op's results, bit for bit
+  std::vector<OutMeta> outs;    // fresh outputs, lists flattened
+  std::vector<int> list_len;    // per fresh return: -1 for a tensor, else the list length
+};
+
+std::mutex g_mu;
+std::unordered_map<const void*, Plan> g_plans;
+std::unordered_map<uint64_t, std::vector<std::shared_ptr<const Entry>>> g_entries;
+size_t g_entry_count = 0;
+constexpr size_t kMaxEntries = 200000;
+
+bool is_tensor_type(const c10::TypePtr& t) { return t->kind() == c10::TypeKind::TensorType; }
+bool is_tensor_list_type(const c10::TypePtr& t) {
+  auto l = t->castRaw<c10::ListType>();
+  return l && l->getElementType()->kind() == c10::TypeKind::TensorType;
+}
+bool mentions_generator(const c10::TypePtr& t) {
+  if (t->kind() == c10::TypeKind::GeneratorType) return true;
+  auto opt = t->castRaw<c10::OptionalType>();
+  return opt && opt->getElementType()->kind() == c10::TypeKind::GeneratorType;
+}
+
+// The out= overload with the functional arguments followed by one `out` per fresh return.
+std::optional<c10::OperatorHandle> find_out(const c10::OperatorHandle& op, size_t n_out) {
+  static std::unordered_map<std::string, std::vector<std::string>> overloads;
+  if (overloads.empty()) {
+    for (const auto& n : c10::Dispatcher::singleton().getAllOpNames()) {
+      overloads[n.name].push_back(n.overload_name);
+    }
+  }
+  const auto& s = op.schema();
+  auto it = overloads.find(s.name());
+  if (it == overloads.end()) return std::nullopt;
+  for (const auto& ov : it->second) {
+    if (ov == s.overload_name()) continue;
+    auto h = c10::Dispatcher::singleton().findOp({s.name(), ov});
+    if (!h) continue;
+    const auto& a = h->schema().arguments();
+    const auto& f = s.arguments();
+    if (a.size() != f.size() + n_out || h->schema().returns().size() != n_out) continue;
+    bool same = true;
+    for (size_t i = 0; i < f.size() && same; ++i) {
+      same = a[i].name() == f[i].name() && a[i].type()->str() == f[i].type()->str();
+    }
+    for (size_t i = f.size(); i < a.size() && same; ++i) {
+      same = a[i].kwarg_only() && is_tensor_type(a[i].type()) && a[i].alias_info() &&
+             a[i].alias_info()->isWrite();
+    }
+    if (same) return h;
+  }
+  return std::nullopt;
+}
+
+Plan make_plan(const c10::OperatorHandle& op) {
+  Plan p;
+  const auto& s = op.schema();
+  if (s.name().rfind("aten::", 0) != 0) return p;
+  if (op.hasTag(at::Tag::nondeterministic_seeded) || op.hasTag(at::Tag::dynamic_output_shape) ||
+      op.hasTag(at::Tag::data_dependent_output) || op.hasTag(at::Tag::inplace_view)) {
+    return p;
+  }
+  for (const auto& a : s.arguments()) {
+    if (mentions_generator(a.type())) return p;
+    bool write = a.alias_info() && a.alias_info()->isWrite();
+    if (!write && (is_tensor_type(a.type()) || a.type()->str().find("Tensor") != std::string::npos)) {
+      p.has_tensor_input = true;
+    }
+  }
+  const auto& rets = s.returns();
+  bool lists = false;
+  for (size_t j = 0; j < rets.size(); ++j) {
+    const auto* alias = rets[j].alias_info();
+    if (alias) {
+      if (!alias->isWrite() || !is_tensor_type(rets[j].type())) return p;
+      int arg = -1;
+      for (size_t i = 0; i < s.arguments().size(); ++i) {
+        const auto* ai = s.arguments()[i].alias_info();
+        if (ai && ai->isWrite() && ai->beforeSets() == alias->beforeSets()) arg = int(i);
+      }
+      if (arg < 0) return p;
+      p.ret_arg.push_back(arg);
+    } else if (is_tensor_type(rets[j].type()) || is_tensor_list_type(rets[j].type())) {
+      lists = lists || is_tensor_list_type(rets[j].type());
+      p.ret_arg.push_back(-1);
+      p.fresh.push_back(int(j));
+    } else {
+      return p;  // a number or a bool: the host needs the data
+    }
+  }
+  if (!p.fresh.empty() && !lists && p.fresh.size() == rets.size()) {
+    p.out_op = find_out(op, p.fresh.size());
+  }
+  p.eligible = true;
+  return p;
+}
+
+const Plan& plan_for(const c10::OperatorHandle& op) {
+  const void* k = &op.schema();
+  // Plans never move (node-based map, never erased): a per-thread cache needs no lock.
+  thread_local std::unordered_map<const void*, const Plan*> mine;
+  auto hit = mine.find(k);
+  if (hit != mine.end()) return *hit->second;
+  std::lock_guard<std::mutex> g(g_mu);
+  auto it = g_plans.find(k);
+  if (it == g_plans.end()) it = g_plans.emplace(k, make_plan(op)).first;
+  mine.emplace(k, &it->second);
+  return it->second;
+}
+
+// Launch-time view of the arguments: the signature key, the device, and whether the op can
+// be queued at all.
+struct Args {
+  c10::SmallVector<int64_t, 64> key;
+  c10::DeviceIndex device = -1;
+  bool ok = true;
+  int64_t bytes_in = 0;
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  c10::SmallVector<at::Tensor, 3> first;  // for the cost record
+
+  void tensor(const at::Tensor& t) {
+    if (!t.defined()) {
+      key.push_back(-7);
+      return;
+    }
+    if (t.device().type() == kDevice) {
+      if (t.layout() != c10::kStrided || t._is_zerotensor() || t.is_conj() || t.is_neg()) {
+        ok = false;
+        return;
+      }
+      auto d = t.device().index();
+      if (device == -1) device = d;
+      else if (d != device) ok = false;
+      key.push_back(-1);
+      key.push_back(int64_t(t.scalar_type()));
+      key.push_back(t.dim());
+      for (auto s : t.sizes()) key.push_back(s);
+      for (auto s : t.strides()) key.push_back(s);
+      if (dtype == c10::ScalarType::Undefined) dtype = t.scalar_type();
+      bytes_in += t.numel() * t.element_size();
+      if (first.size() < 3) first.push_back(t);
+    } else if (t.device().is_cpu() && t.dim() == 0 && t.layout() == c10::kStrided) {
+      key.push_back(-2);
+      key.push_back(int64_t(t.scalar_type()));
+      key.push_back(t.unsafeGetTensorImpl()->is_wrapped_number());
+    } else {
+      ok = false;  // a mixed-device call: the synchronous path reports it
+    }
+  }
+
+  void value(const IValue& v, bool shape_free_scalars) {
+    if (!ok) return;
+    if (v.isTensor()) return tensor(v.toTensor());
+    if (v.isNone()) return key.push_back(-3);
+    if (v.isInt()) {
+      key.push_back(-4);
+      return key.push_back(v.toInt());
+    }
+    if (v.isBool()) return key.push_back(v.toBool() ? -5 : -6);
+    if (v.isDouble()) {
+      key.push_back(-8);
+      if (!shape_free_scalars) key.push_back(c10::bit_cast<int64_t>(v.toDouble()));
+      return;
+    }
+    if (v.isScalar()) {  // complex or symbolic
+      key.push_back(-9);
+      return key.push_back(int64_t(v.toScalar().type()));
+    }
+    if (v.isDevice()) {
+      auto d = v.toDevice();
+      if (d.type() == kDevice) {
+        auto idx = d.has_index() ? d.index() : current_device();
+        if (device == -1) device = idx;
+      }
+      key.push_back(-10);
+      key.push_back(int64_t(d.type()) * 256 + d.index());
+      return;
+    }
+    if (v.isString()) {
+      key.push_back(-11);
+      return key.push_back(int64_t(std::hash<std::string>()(v.toStringRef())));
+    }
+    if (v.isIntList()) {
+      key.push_back(-12);
+      for (auto x : v.toIntList()) key.push_back(x);
+      return key.push_back(-13);
+    }
+    if (v.isDoubleList()) {  // e.g. upsampling scale factors shape the result
+      key.push_back(-14);
+      for (auto x : v.toDoubleList()) key.push_back(c10::bit_cast<int64_t>(double(x)));
+      return key.push_back(-13);
+    }
+    if (v.isBoolList()) {
+      key.push_back(-15);
+      for (bool x : v.toBoolList()) key.push_back(x);
+      return key.push_back(-13);
+    }
+    if (v.isList()) {  // tensors, optional tensors, scalars
+      key.push_back(-16);
+      for (const IValue& e : v.toListRef()) {
+        if (e.isTensor()) tensor(e.toTensor());
+        else if (e.isNone()) key.push_back(-3);
+        else if (e.isDouble() || e.isInt() || e.isComplexDouble()) {
+          key.push_back(e.isDouble() ? -8 : e.isInt() ? -4 : -9);
+          if (!shape_free_scalars) {
+            key.push_back(e.isDouble() ? c10::bit_cast<int64_t>(e.toDouble())
+                          : e.isInt()  ? e.toInt()
+                                       : 0);
+          }
+        } else {
+          ok = false;
+        }
+      }
+      return key.push_back(-13);
+    }
+    ok = false;
+  }
+};
+
+uint64_t hash_key(const c10::SmallVector<int64_t, 64>& k) {
+  uint64_t h = 1469598103934665603ull;
+  for (auto x : k) h = (h ^ uint64_t(x)) * 1099511628211ull;
+  return h;
+}
+
+at::Tensor meta_like(const at::Tensor& t) {
+  auto opts = at::TensorOptions().dtype(t.scalar_type()).device(c10::kMeta);
+  if (t.storage_offset() == 0) return at::empty_strided(t.sizes(), t.strides(), opts);
+  int64_t extent = 1;
+  for (int64_t i = 0; i < t.dim(); ++i) extent += (t.size(i) - 1) * t.stride(i);
+  if (t.numel() == 0) extent = 0;
+  return at::empty({t.storage_offset() + extent}, opts).as_strided(t.sizes(), t.strides(),
+                                                                   t.storage_offset());
+}
+
+IValue to_meta(const IValue& v) {
+  if (v.isTensor()) {
+    const auto& t = v.toTensor();
+    return t.defined() && t.device().type() == kDevice ? IValue(meta_like(t)) : v;
+  }
+  if (v.isDevice() && v.toDevice().type() == kDevice) return IValue(c10::Device(c10::kMeta));
+  if (v.isTensorList()) {
+    c10::List<at::Tensor> out;
+    for (const at::Tensor& t : v.toTensorList()) out.push_back(t.device().type() == kDevice ? meta_like(t) : t);
+    return out;
+  }
+  if (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList()) {
+    auto list = v.toList().copy();
+    for (size_t k = 0; k < list.size(); ++k) list.set(k, to_meta(list.get(k)));
+    return list;
+  }
+  return v;
+}
+
+// Runs the op's Meta kernel to learn its outputs; nullopt when it can't be queued.
+std::optional<Entry> learn(const c10::OperatorHandle& op, const Plan& plan,
+                           const torch::jit::Stack& stack, size_t base) {
+  const auto& args = op.schema().arguments();
+  torch::jit::Stack ms;
+  std::vector<std::pair<at::Tensor, at::Tensor>> written;  // (device arg, meta arg)
+  for (size_t i = 0; i < args.size(); ++i) {
+    const IValue& v = stack[base + i];
+    ms.push_back(to_meta(v));
+    bool write = args[i].alias_info() && args[i].alias_info()->isWrite();
+    if (write && v.isTensor() && v.toTensor().defined()) written.emplace_back(v.toTensor(), ms.back().toTensor());
+  }
+  try {
+    c10::impl::ExcludeDispatchKeyGuard no_autograd(c10::autograd_dispatch_keyset_with_ADInplaceOrView);
+    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), &ms);
+  } catch (const std::exception&) {
+    return std::nullopt;  // no Meta kernel, or bad arguments: the synchronous path reports it
+  }
+  for (auto& [dev, meta] : written) {
+    // An out= argument the op would resize goes through the synchronous path.
+    if (dev.sizes() != meta.sizes() || dev.strides() != meta.strides()) return std::nullopt;
+  }
+  Entry e;
+  const size_t r0 = ms.size() - op.schema().returns().size();
+  for (int j : plan.fresh) {
+    const IValue& r = ms[r0 + j];
+    auto add = [&](const at::Tensor& t) {
+      if (!t.defined()) {
+        e.outs.push_back({{}, {}, c10::kFloat, false});
+        return true;
+      }
+      if (t.device().type() != c10::kMeta || t.layout() != c10::kStrided) return false;
+      e.outs.push_back({t.sizes().vec(), t.strides().vec(), t.scalar_type(), true});
+      return true;
+    };
+    if (r.isTensor()) {
+      if (!add(r.toTensor())) return std::nullopt;
+      e.list_len.push_back(-1);
+    } else if (r.isTensorList()) {
+      auto l = r.toTensorList();
+      for (const at::Tensor& t : l) {
+        if (!add(t)) return std::nullopt;
+      }
+      e.list_len.push_back(int(l.size()));
+    } else {
+      return std::nullopt;
+    }
+  }
+  e.async = true;
+  return e;
+}
+
+at::Tensor snapshot_cpu_scalar(const at::Tensor& t) {
+  auto c = t.clone();
+  if (t.unsafeGetTensorImpl()->is_wrapped_number()) c.unsafeGetTensorImpl()->set_wrapped_number(true);
+  return c;
+}
+
+// Host-side copy of one argument for the queued kernel: device tensors become CPU aliases
+// of their memory as it is now (later metadata changes on the host don't reach the kernel).
+IValue to_kernel_arg(const IValue& v) {
+  if (v.isTensor()) {
+    const auto& t = v.toTensor();
+    if (!t.defined()) return v;
+    if (t.device().type() == kDevice) return cpu_alias(t);
+    return snapshot_cpu_scalar(t);
+  }
+  if (v.isDevice() && v.toDevice().type() == kDevice) return IValue(c10::Device(c10::kCPU));
+  if (v.isTensorList()) {
+    c10::List<at::Tensor> out;
+    out.reserve(v.toTensorList().size());
+    for (const at::Tensor& t : v.toTensorList()) out.push_back(to_kernel_arg(t).toTensor());
+    return out;
+  }
+  if (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList()) {
+    auto list = v.toList().copy();
+    for (size_t k = 0; k < list.size(); ++k) list.set(k, to_kernel_arg(list.get(k)));
+    return list;
+  }
+  return v;
+}
+
+}  // namespace
+
+namespace {
+
+struct Pending {
+  std::shared_ptr<Entry> entry;  // outputs as the Meta kernel sees them
+  uint64_t hash;
+  std::vector<const void*> inputs;  // device buffers of the arguments
+  std::vector<IValue> args;         // kept only when the out= overload needs checking
+};
+
+bool same_bits(const at::Tensor& a, const at::Tensor& b) {
+  if (a.sizes() != b.sizes() || a.strides() != b.strides() || a.scalar_type() != b.scalar_type()) {
+    return false;
+  }
+  auto ca = a.contiguous(), cb = b.contiguous();
+  return std::memcmp(ca.data_ptr(), cb.data_ptr(), ca.numel() * ca.element_size()) == 0;
+}
+
+// Does the out= overload, given outputs shaped like the functional op's, write exactly what
+// the functional op returned? Some out= kernels compute differently (e.g. reductions that
+// resize `out` to hold an intermediate): those launches copy the functional results instead.
+bool out_matches(const c10::OperatorHandle& out_op, std::vector<IValue>& args,
+                 const std::vector<at::Tensor>& want) {
+  torch::jit::Stack s;
+  for (auto& v : args) s.push_back(to_kernel_arg(v));
+  std::vector<at::Tensor> outs;
+  std::vector<const void*> bufs;
+  for (const auto& w : want) {
+    auto t = at::empty_strided(w.sizes(), w.strides(), w.options().device(c10::kCPU));
+    outs.push_back(t);
+    bufs.push_back(t.storage().data());
+    s.emplace_back(t);
+  }
+  try {
+    out_op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &s);
+  } catch (const std::exception&) {
+    return false;
+  }
+  for (size_t i = 0; i < want.size(); ++i) {
+    // A kernel that moved `out` to a new buffer would leave device memory unwritten.
+    if (outs[i].storage().data() != bufs[i] || !same_bits(outs[i], cpu_alias(want[i]))) return false;
+  }
+  return true;
+}
+
+void insert(uint64_t h, std::shared_ptr<const Entry> e) {
+  std::lock_guard<std::mutex> g(g_mu);
+  if (g_entry_count >= kMaxEntries) {
+    g_entries.clear();
+    g_entry_count = 0;
+  }
+  g_entries[h].push_back(std::move(e));
+  ++g_entry_count;
+}
+
+void collect_buffers(const IValue& v, std::vector<const void*>& out) {
+  if (v.isTensor()) {
+    const auto& t = v.toTensor();
+    if (t.defined() && t.device().type() == kDevice) out.push_back(t.storage().data());
+  } else if (v.isList()) {
+    for (const IValue& e : v.toListRef()) collect_buffers(e, out);
+  }
+}
+
+}  // namespace
+
+// The first call of a signature runs synchronously; its real outputs (the CPU kernel's
+// dtypes and strides, which a Meta kernel may not match) become the entry later launches
+// allocate from. Outputs that share memory with an input keep the op synchronous.
+void confirm(std::shared_ptr<void>& learning, const c10::OperatorHandle& op,
+             const torch::jit::Stack& stack) {
+  auto p = std::static_pointer_cast<Pending>(learning);
+  learning.reset();
+  if (!p) return;
+  const Plan& plan = plan_for(op);
+  const size_t r0 = stack.size() - op.schema().returns().size();
+  auto& e = *p->entry;
+  size_t q = 0;
+  bool ok = true;
+  auto check = [&](const at::Tensor& t) {
+    if (q >= e.outs.size()) return false;
+    auto& m = e.outs[q++];
+    if (!t.defined()) return !m.defined;
+    if (!m.defined || t.device().type() != kDevice || t.layout() != c10::kStrided ||
+        t.sizes().vec() != m.sizes || t._is_zerotensor() || t.is_conj() || t.is_neg()) {
+      return false;
+    }
+    const void* buf = t.storage().data();
+    if (buf && std::find(p->inputs.begin(), p->inputs.end(), buf) != p->inputs.end()) return false;
+    m.strides = t.strides().vec();
+    m.dtype = t.scalar_type();
+    return true;
+  };
+  for (int j : plan.fresh) {
+    const IValue& r = stack[r0 + j];
+    if (r.isTensor()) ok = ok && check(r.toTensor());
+    else if (r.isTensorList()) {
+      for (const at::Tensor& t : r.toTensorList()) ok = ok && check(t);
+    } else {
+      ok = false;
+    }
+  }
+  e.async = ok && q == e.outs.size();
+  if (e.async && plan.out_op && !p->args.empty()) {
+    std::vector<at::Tensor> want;
+    bool defined = true;
+    for (int j : plan.fresh) {
+      want.push_back(stack[r0 + j].toTensor());
+      defined = defined && want.back().defined();
+    }
+    e.use_out = defined && out_matches(*plan.out_op, p->args, want);
+  }
+  insert(p->hash, p->entry);
+}
+
+bool try_launch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
+                std::shared_ptr<void>* learning) {
+  const Plan& plan = plan_for(op);
+  if (!plan.eligible) return false;
+  const auto& schema = op.schema();
+  const size_t n = schema.arguments().size();
+  const size_t base = stack->size() - n;
+
+  Args a;
+  a.key.push_back(reinterpret_cast<int64_t>(&schema));
+  for (size_t i = 0; i < n && a.ok; ++i) a.value((*stack)[base + i], plan.has_tensor_input);
+  if (!a.ok) return false;
+  if (a.device == -1) a.device = current_device();
+
+  uint64_t h = hash_key(a.key);
+  // A direct-mapped per-thread cache in front of the shared table: hot loops hit it lock-free.
+  thread_local std::array<std::shared_ptr<const Entry>, 512> recent;
+  auto& slot = recent[h & 511];
+  std::shared_ptr<const Entry> entry;
+  if (slot && slot->key.size() == a.key.size() &&
+      std::equal(slot->key.begin(), slot->key.end(), a.key.begin())) {
+    entry = slot;
+  }
+  if (!entry) {
+    std::lock_guard<std::mutex> g(g_mu);
+    auto it = g_entries.find(h);
+    if (it != g_entries.end()) {
+      for (const auto& e : it->second) {
+        if (e->key.size() == a.key.size() && std::equal(e->key.begin(), e->key.end(), a.key.begin())) {
+          entry = e;
+          break;
+        }
+      }
+    }
+  }
+  if (!entry) {
+    auto learned = learn(op, plan, *stack, base);
+    auto e = std::make_shared<Entry>(learned ? std::move(*learned) : Entry{});
+    e->key.assign(a.key.begin(), a.key.end());
+    if (learned) {
+      auto p = std::make_shared<Pending>();
+      p->entry = std::move(e);
+      p->hash = h;
+      for (size_t i = 0; i < n; ++i) collect_buffers((*stack)[base + i], p->inputs);
+      bool writes = false;
+      for (const auto& arg : schema.arguments()) writes = writes || (arg.alias_info() && arg.alias_info()->isWrite());
+      if (plan.out_op && !writes) p->args.assign(stack->begin() + base, stack->end());
+      *learning = std::move(p);
+      return false;
+    }
+    insert(h, e);
+    entry = std::move(e);
+  }
+  slot = entry;
+  if (!entry->async) return false;
+  const auto& outs = entry->outs;
+  const auto& list_len = entry->list_len;
+
+  // Outputs, allocated now as a CUDA launch does.
+  std::vector<at::Tensor> out_dev;
+  out_dev.reserve(outs.size());
+  {
+    c10::DeviceIndex prev = current_device();
+    if (prev != a.device) set_current_device(a.device);
+    for (const auto& m : outs) {
+      out_dev.push_back(m.defined ? at::detail::empty_strided_generic(
+                                        m.sizes, m.strides, allocator(),
+                                        c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), m.dtype)
+                                  : at::Tensor());
+    }
+    if (prev != a.device) set_current_device(prev);
+  }
+
+  std::vector<IValue> kargs;
+  kargs.reserve(n);
+  for (size_t i = 0; i < n; ++i) kargs.push_back(to_kernel_arg((*stack)[base + i]));
+  std::vector<at::Tensor> out_alias;
+  out_alias.reserve(out_dev.size());
+  int64_t bytes_out = 0;
+  bool all_defined = true;
+  for (const auto& t : out_dev) {
+    if (!t.defined()) {
+      all_defined = false;
+      out_alias.emplace_back();
+      continue;
+    }
+    out_alias.push_back(cpu_alias(t));
+    bytes_out += t.numel() * t.element_size();
+  }
+
+  // Results for the caller: written arguments come back as passed, fresh ones are the
+  // outputs just allocated.
+  const auto& rets = schema.returns();
+  std::vector<IValue> results;
+  results.reserve(rets.size());
+  size_t k = 0, f = 0;
+  for (size_t j = 0; j < rets.size(); ++j) {
+    if (plan.ret_arg[j] >= 0) {
+      results.push_back((*stack)[base + plan.ret_arg[j]]);
+      if (results.back().isTensor()) bytes_out += results.back().toTensor().numel() * results.back().toTensor().element_size();
+      continue;
+    }
+    int len = list_len[f++];
+    if (len < 0) {
+      results.emplace_back(out_dev[k++]);
+    } else {
+      c10::List<at::Tensor> l;
+      for (int q = 0; q < len; ++q) l.push_back(out_dev[k++]);
+      results.emplace_back(std::move(l));
+    }
+  }
+
+  c10::ScalarType dtype = a.dtype != c10::ScalarType::Undefined ? a.dtype
+                          : outs.empty() ? c10::kFloat : outs[0].dtype;
+  warn_if_unportable(op, dtype);
+  record_op(schema.operator_name().name.c_str(), a.device, dtype, a.first, a.bytes_in, bytes_out);
+
+  std::optional<c10::OperatorHandle> kernel = plan.out_op;
+  bool use_out = entry->use_out && kernel.has_value() && !out_alias.empty() && all_defined;
+  if (!use_out) kernel = op;
+  // The lambda holds aliases, not the device tensors: the host may free them at once, and
+  // the allocator keeps their blocks out of reuse until this work has run.
+  auto run = [kernel = *kernel, use_out, fresh = plan.fresh, kargs = std::move(kargs),
+              out_alias = std::move(out_alias)]() mutable {
+    // Copied, not moved: what the host allocated is freed by the host (see queue.cpp).
+    torch::jit::Stack s(kargs.begin(), kargs.end());
+    s.reserve(kargs.size() + out_alias.size());
+    if (use_out) {
+      for (auto& t : out_alias) s.emplace_back(t);
+      kernel.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &s);
+      return;
+    }
+    kernel.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &s);
+    // No out= overload: the kernel made fresh CPU tensors; move them into device memory.
+    size_t q = 0;
+    for (int j : fresh) {
+      const IValue& r = s[j];
+      if (r.isTensor()) {
+        const at::Tensor& t = r.toTensor();
+        TORCH_CHECK(t.defined() == out_alias[q].defined(), "neuron: internal error: ", kernel.schema().name(),
+                    " returned a different set of outputs than its Meta kernel");
+        if (t.defined()) out_alias[q].copy_(t);
+        ++q;
+      } else {
+        for (const at::Tensor& t : r.toTensorList()) out_alias[q++].copy_(t);
+      }
+    }
+  };
+
+  stack->erase(stack->begin() + base, stack->end());
+  for (auto& r : results) stack->push_back(std::move(r));
+  queue::launch(a.device, current_stream_id(a.device), schema.operator_name().name.c_str(),
+                std::move(run));
+  return true;
+}
+
+}  // namespace neuron::launch

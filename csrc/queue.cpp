@@ -1,0 +1,407 @@
+// The device's work queues. A NeuronCore executes what the host enqueues, asynchronously and
+// in order; here each device has one executor thread that runs launched work in launch order.
+// One in-order executor serves every stream of a device: launch order already respects each
+// stream's order and every event wait the host issued, so results are those of any schedule
+// the chip may pick (cross-stream races are the stream checker's business).
+//
+// Errors inside queued work are kept (the first one, with the op and the Python line that
+// launched it), the rest of the already-queued work is skipped, and the error is raised by
+// the next call that waits for the device; new work then runs normally again.
+#include "neuron.h"
+
+#include <Python.h>
+#include <pthread.h>
+
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+
+namespace neuron::queue {
+
+namespace {
+
+std::atomic<bool> g_blocking{false};
+thread_local int t_sync_depth = 0;
+
+Site (*g_capture)() = nullptr;
+std::string (*g_describe)(const Site&) = nullptr;
+
+enum class Kind { Error, Index, Value, Type, NotImplemented };
+
+struct Item {
+  uint64_t seq = 0;
+  const char* op = nullptr;
+  Site site;
+  std::function<void()> run;
+};
+
+// Bounded like a hardware launch queue: a host that runs far ahead waits for room.
+constexpr size_t kMaxQueued = 4096;
+
+class DeviceQueue {
+ public:
+  explicit DeviceQueue(c10::DeviceIndex d) : device_(d) {}
+
+  uint64_t launch(const char* op, int64_t stream, std::function<void()> run) {
+    Item it;
+    it.op = op;
+    if (g_capture) it.site = g_capture();
+    it.run = std::move(run);
+    std::unique_lock<std::mutex> lk(mu_);
+    if (items_.size() >= kMaxQueued) {
+      ++waiters_;
+      release_gil_while([&] { room_.wait(lk, [&] { return items_.size() < kMaxQueued / 2; }); });
+      --waiters_;
+    }
+    if (!started_) start_locked();
+    std::vector<std::function<void()>> garbage;
+    if (finished_.size() >= 64) garbage.swap(finished_);
+    it.seq = ++launched_;
+    stream_last_[stream] = it.seq;
+    items_.push_back(std::move(it));
+    queued_.store(items_.size(), std::memory_order_release);
+    if (sleeping_) work_.notify_one();
+    uint64_t seq = launched_;
+    lk.unlock();
+    garbage.clear();
+    return seq;
+  }
+
+  // Releases what finished work held (device memory included).
+  void collect() {
+    std::vector<std::function<void()>> garbage;
+    std::lock_guard<std::mutex> g(mu_);
+    garbage.swap(finished_);
+  }
+
+  uint64_t last(int64_t stream) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = stream_last_.find(stream);
+    return it == stream_last_.end() ? 0 : it->second;
+  }
+  uint64_t launched() {
+    std::lock_guard<std::mutex> g(mu_);
+    return launched_;
+  }
+  bool done(uint64_t seq) { return done_.load(std::memory_order_acquire) >= seq; }
+
+  // Waits until work `seq` has run, then raises a pending error.
+  void wait(uint64_t seq) {
+    wait_quietly(seq);
+    raise_pending();
+  }
+
+  void wait_quietly(uint64_t seq) {
+    if (!done(seq)) {
+      // The executor often finishes within microseconds: spin a little before sleeping.
+      for (int i = 0; i < 2000 && !done(seq); ++i) std::this_thread::yield();
+      if (!done(seq)) {
+        std::unique_lock<std::mutex> lk(mu_);
+        ++waiters_;
+        release_gil_while([&] { done_cv_.wait(lk, [&] { return done(seq); }); });
+        --waiters_;
+      }
+    }
+    collect();
+  }
+
+  void raise_pending() {
+    if (!failed_.load(std::memory_order_acquire)) return;
+    std::string msg;
+    Kind kind;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (!failed_.load()) return;
+      msg = std::move(error_);
+      kind = kind_;
+      failed_.store(false);
+    }
+    switch (kind) {
+      case Kind::Index: TORCH_CHECK_INDEX(false, msg);
+      case Kind::Value: TORCH_CHECK_VALUE(false, msg);
+      case Kind::Type: TORCH_CHECK_TYPE(false, msg);
+      case Kind::NotImplemented: TORCH_CHECK_NOT_IMPLEMENTED(false, msg);
+      default: TORCH_CHECK(false, msg);
+    }
+  }
+
+  std::vector<std::string> take_warnings() {
+    std::lock_guard<std::mutex> g(mu_);
+    std::vector<std::string> out;
+    out.swap(warnings_);
+    return out;
+  }
+
+  int64_t executed() const { return executed_.load(); }
+
+  void after_fork() {
+    // The executor thread does not exist in a forked child: start over, empty.
+    new (&mu_) std::mutex();
+    new (&work_) std::condition_variable();
+    new (&done_cv_) std::condition_variable();
+    new (&room_) std::condition_variable();
+    items_.clear();
+    new (&finished_) std::vector<std::function<void()>>();
+    done_.store(launched_);
+    started_ = false;
+    sleeping_ = false;
+    waiters_ = 0;
+  }
+
+ private:
+  template <class F>
+  static void release_gil_while(F&& f) {
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      PyThreadState* s = PyEval_SaveThread();
+      f();
+      PyEval_RestoreThread(s);
+    } else {
+      f();
+    }
+  }
+
+  void start_locked() {
+    started_ = true;
+    std::thread([this] { loop(); }).detach();
+  }
+
+  // Warnings raised by queued kernels reach the user at the next wait, from the host thread.
+  struct Collect : c10::WarningHandler {
+    DeviceQueue* q;
+    explicit Collect(DeviceQueue* q) : q(q) {}
+    void process(const c10::Warning& w) override {
+      std::lock_guard<std::mutex> g(q->mu_);
+      if (q->warnings_.size() < 64) q->warnings_.push_back(w.msg());
+    }
+  };
+
+  void loop() {
+    Collect collect(this);
+    c10::WarningUtils::set_warning_handler(&collect);
+    std::function<void()> last;  // finished work, handed back with the next pop
+    uint64_t last_seq = 0;
+    for (;;) {
+      Item it;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        if (last) {
+          finished_.push_back(std::move(last));
+          last = nullptr;
+          done_.store(last_seq, std::memory_order_release);
+          if (waiters_) {
+            done_cv_.notify_all();
+            room_.notify_all();
+          }
+        }
+        if (items_.empty()) {
+          lk.unlock();
+          // Launches come in bursts: spin briefly before sleeping so a burst is not
+          // paid for with one wake-up per op.
+          for (int i = 0; i < 200; ++i) {
+            std::this_thread::yield();
+            if (pending_hint()) break;
+          }
+          lk.lock();
+          while (items_.empty()) {
+            sleeping_ = true;
+            work_.wait(lk);
+            sleeping_ = false;
+          }
+        }
+        it = std::move(items_.front());
+        items_.pop_front();
+        queued_.store(items_.size(), std::memory_order_release);
+        if (waiters_ && items_.size() < kMaxQueued / 2) room_.notify_all();
+      }
+      if (!failed_.load(std::memory_order_relaxed)) {
+        try {
+          it.run();
+        } catch (const c10::IndexError& e) {
+          fail(it, Kind::Index, e.what_without_backtrace());
+        } catch (const c10::ValueError& e) {
+          fail(it, Kind::Value, e.what_without_backtrace());
+        } catch (const c10::TypeError& e) {
+          fail(it, Kind::Type, e.what_without_backtrace());
+        } catch (const c10::NotImplementedError& e) {
+          fail(it, Kind::NotImplemented, e.what_without_backtrace());
+        } catch (const c10::Error& e) {
+          fail(it, Kind::Error, e.what_without_backtrace());
+        } catch (const std::exception& e) {
+          fail(it, Kind::Error, e.what());
+        }
+      }
+      executed_.fetch_add(1, std::memory_order_relaxed);
+      // The work's tensors are released by the host thread (at its next launch or wait):
+      // freeing memory the host allocated from this thread would contend on malloc's arena.
+      last = std::move(it.run);
+      last_seq = it.seq;
+      if (queued_.load(std::memory_order_acquire) == 0) {
+        std::lock_guard<std::mutex> g(mu_);
+        finished_.push_back(std::move(last));
+        last = nullptr;
+        done_.store(last_seq, std::memory_order_release);
+        if (waiters_) {
+          done_cv_.notify_all();
+          room_.notify_all();
+        }
+      }
+    }
+  }
+
+  bool pending_hint() { return queued_.load(std::memory_order_acquire) > 0; }
+
+  void fail(const Item& it, Kind kind, const char* what) {
+    std::string where = g_describe ? g_describe(it.site) : std::string();
+    std::lock_guard<std::mutex> g(mu_);
+    error_ = std::string("neuron: ") + it.op + (where.empty() ? "" : " launched at " + where) +
+             " failed on the device (work queued after it was skipped): " + what;
+    kind_ = kind;
+    failed_.store(true, std::memory_order_release);
+  }
+
+  c10::DeviceIndex device_;
+  std::mutex mu_;
+  std::condition_variable work_, done_cv_, room_;
+  std::deque<Item> items_;
+  std::vector<std::function<void()>> finished_;
+  std::unordered_map<int64_t, uint64_t> stream_last_;
+  uint64_t launched_ = 0;
+  std::atomic<uint64_t> done_{0};
+  std::atomic<int64_t> executed_{0};
+  std::atomic<size_t> queued_{0};
+  bool started_ = false;
+  bool sleeping_ = false;
+  int waiters_ = 0;
+  std::atomic<bool> failed_{false};
+  std::string error_;
+  Kind kind_ = Kind::Error;
+  std::vector<std::string> warnings_;
+};
+
+constexpr int kMaxDevices = 64;
+std::array<std::atomic<DeviceQueue*>, kMaxDevices> g_queues{};
+std::mutex g_create_mu;
+
+// Queues live for the whole process (their threads are detached).
+DeviceQueue& get(c10::DeviceIndex d) {
+  auto* q = g_queues[d].load(std::memory_order_acquire);
+  if (q) return *q;
+  std::lock_guard<std::mutex> g(g_create_mu);
+  q = g_queues[d].load();
+  if (!q) {
+    q = new DeviceQueue(d);
+    g_queues[d].store(q, std::memory_order_release);
+  }
+  return *q;
+}
+
+void emit_warnings(DeviceQueue& q) {
+  for (auto& w : q.take_warnings()) TORCH_WARN(w);
+}
+
+bool g_atfork = [] {
+  pthread_atfork(nullptr, nullptr, [] {
+    for (auto& slot : g_queues) {
+      if (auto* q = slot.load()) q->after_fork();
+    }
+  });
+  return true;
+}();
+
+}  // namespace
+
+bool asynchronous() { return !g_blocking.load(std::memory_order_relaxed) && t_sync_depth == 0; }
+void set_blocking(bool on) {
+  if (on) synchronize_all();
+  g_blocking.store(on);
+}
+bool blocking() { return g_blocking.load(); }
+void enter_sync() {
+  synchronize_all();
+  ++t_sync_depth;
+}
+void exit_sync() {
+  if (t_sync_depth > 0) --t_sync_depth;
+}
+
+void set_site_hooks(Site (*capture)(), std::string (*describe)(const Site&)) {
+  g_capture = capture;
+  g_describe = describe;
+}
+
+uint64_t launch(c10::DeviceIndex d, int64_t stream, const char* op, std::function<void()> run) {
+  return get(d).launch(op, stream, std::move(run));
+}
+
+void synchronize(c10::DeviceIndex d) {
+  auto* q = g_queues[d].load(std::memory_order_acquire);
+  if (!q) return;
+  q->wait(q->launched());
+  emit_warnings(*q);
+}
+
+void synchronize_all() {
+  for (int d = 0; d < kMaxDevices; ++d) {
+    if (g_queues[d].load(std::memory_order_acquire)) synchronize(static_cast<c10::DeviceIndex>(d));
+  }
+}
+
+void synchronize_stream(c10::DeviceIndex d, int64_t stream) {
+  auto* q = g_queues[d].load(std::memory_order_acquire);
+  if (!q) return;
+  q->wait(q->last(stream));
+  emit_warnings(*q);
+}
+
+bool query_stream(c10::DeviceIndex d, int64_t stream) {
+  auto* q = g_queues[d].load(std::memory_order_acquire);
+  if (!q) return true;
+  bool done = q->done(q->last(stream));
+  if (done) q->raise_pending();
+  return done;
+}
+
+void wait_for(c10::DeviceIndex d, uint64_t seq) {
+  if (seq == 0) return;
+  get(d).wait(seq);
+  emit_warnings(get(d));
+}
+
+bool query(c10::DeviceIndex d, uint64_t seq) {
+  if (seq == 0) return true;
+  auto& q = get(d);
+  bool done = q.done(seq);
+  if (done) q.raise_pending();
+  return done;
+}
+
+uint64_t busy_until(c10::DeviceIndex d) {
+  auto* q = g_queues[d].load(std::memory_order_acquire);
+  if (!q) return 0;
+  uint64_t last = q->launched();
+  return q->done(last) ? 0 : last;
+}
+
+bool has_run(c10::DeviceIndex d, uint64_t seq) {
+  auto* q = g_queues[d].load(std::memory_order_acquire);
+  return !q || q->done(seq);
+}
+
+void wait_idle(c10::DeviceIndex d) {
+  auto* q = g_queues[d].load(std::memory_order_acquire);
+  if (q) q->wait_quietly(q->launched());
+}
+
+std::pair<int64_t, int64_t> counts(c10::DeviceIndex d) {
+  auto* q = g_queues[d].load(std::memory_order_acquire);
+  if (!q) return {0, 0};
+  return {static_cast<int64_t>(q->launched()), q->executed()};
+}
+
+}  // namespace neuron::queue

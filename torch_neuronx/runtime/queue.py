@@ -1,0 +1,61 @@
+"""The device's work queues, as the user sees them.
+
+Every op on a neuron tensor is launched asynchronously, as on the chip: the call returns once
+the work is queued, and the device (an executor thread per device) runs it in launch order.
+Host reads (``.cpu()``, ``.item()``, printing, ``.tolist()``), ``torch.neuron.synchronize()``,
+``Stream.synchronize()`` and ``Event.synchronize()`` wait for the work they depend on. An
+error inside queued work is raised by the next such call, naming the op and the Python line
+that launched it; the device stays usable.
+
+``NEURON_LAUNCH_BLOCKING=1`` (read at import) or ``set_launch_blocking(True)`` runs every op
+synchronously, so an error is raised by the op that caused it (like
+``CUDA_LAUNCH_BLOCKING``). The stream checker also runs ops synchronously while it is on.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .. import _C
+
+
+def set_launch_blocking(enabled: bool) -> None:
+    """Run ops synchronously (``True``) or queue them (``False``, the default)."""
+    _C._set_launch_blocking(bool(enabled))
+
+
+def is_launch_blocking() -> bool:
+    return _C._launch_blocking()
+
+
+def queue_stats(device=None, reset: bool = False) -> dict:
+    """Launch counters of a device's queue.
+
+    ``launched``/``executed``: work items queued and run so far (kernels, copies, event
+    records). ``synchronous_ops``: ops that ran on the host thread although launches were
+    asynchronous, by name (data-dependent outputs such as ``nonzero`` or ``item``, random
+    ops, ops without a Meta kernel for their arguments), summed over devices; ``reset``
+    clears them.
+    """
+    index = torch.device("neuron", torch.neuron.current_device() if device is None else
+                         torch.device(device).index if not isinstance(device, int) else device).index
+    launched, executed = _C._queue_counts(index if index is not None else 0)
+    return {"launched": launched, "executed": executed,
+            "synchronous_ops": dict(_C._sync_op_counts(reset))}
+
+
+def _from_environment() -> None:
+    if os.environ.get("NEURON_LAUNCH_BLOCKING", "0") not in ("", "0"):
+        _C._set_launch_blocking(True)
+
+
+def _drain_at_exit() -> None:
+    # Queued work must not run while the interpreter tears down; an error it raised after
+    # the program's last synchronization is reported, not lost.
+    try:
+        _C._synchronize_all()
+    except RuntimeError as e:
+        import sys
+        print(f"torch_neuronx: queued work failed after the last synchronization: {e}",
+              file=sys.stderr)
