@@ -97,7 +97,54 @@ def main():
         unit, k = ("us", 1e6) if c < 1e-3 else ("ms", 1e3)
         print(f"{name:<48}{c * k:>9.2f} {unit}{d * k:>9.2f} {unit}{r:>8.3f}  {target}")
 
+    asynchronous(pairs)
     memory(args)
+
+
+def _in_mode(make, blocking):
+    def build():
+        torch_neuronx.set_launch_blocking(blocking)
+        fn = make()
+        fn()
+
+        def run():
+            torch_neuronx.set_launch_blocking(blocking)
+            fn()
+            torch.neuron.synchronize()
+        return run
+    return build
+
+
+def asynchronous(pairs):
+    # Asynchronous launch against NEURON_LAUNCH_BLOCKING-style synchronous execution, both
+    # on neuron: ratio = async time / blocking time (lower is better).
+    def small_ops():
+        a = torch.randn(64, device="neuron")
+        b = torch.randn(64, device="neuron")
+
+        def loop():
+            x = a
+            for _ in range(500):
+                x = torch.add(x, b).mul_(0.5).relu_()
+        return loop
+    rows = []
+    r, bl, asy = paired(_in_mode(small_ops, True), _in_mode(small_ops, False), pairs, 5)
+    rows.append(("loop of 1500 small ops (64 elements)", bl, asy, r, "<= 1.0"))
+    r, bl, asy = paired(_in_mode(lambda: gpt_step("neuron", False), True),
+                        _in_mode(lambda: gpt_step("neuron", False), False), pairs, 3)
+    rows.append(("GPT train step (h256, 4 layers, fp32)", bl, asy, r, "<= 1.0"))
+    torch_neuronx.set_launch_blocking(False)
+    print(f"{'async vs blocking':<48}{'blocking':>12}{'async':>12}{'ratio':>8}  target")
+    for name, c, d, r, target in rows:
+        print(f"{name:<48}{c * 1e3:>9.2f} ms{d * 1e3:>9.2f} ms{r:>8.3f}  {target}")
+    step = gpt_step("neuron", False)
+    step()
+    torch_neuronx.queue_stats(reset=True)
+    before = torch_neuronx.queue_stats()["launched"]
+    step()
+    st = torch_neuronx.queue_stats()
+    print(f"GPT step: {st['launched'] - before} queued launches; ran synchronously: "
+          f"{st['synchronous_ops']}")
 
 
 def memory(args):

@@ -612,7 +612,7 @@ bool try_launch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   if (!use_out) kernel = op;
   // The lambda holds aliases, not the device tensors: the host may free them at once, and
   // the allocator keeps their blocks out of reuse until this work has run.
-  auto run = [kernel = *kernel, use_out, fresh = plan.fresh, kargs = std::move(kargs),
+  auto run = [kernel = *kernel, use_out, fresh = &plan.fresh, kargs = std::move(kargs),
               out_alias = std::move(out_alias)]() mutable {
     // Copied, not moved: what the host allocated is freed by the host (see queue.cpp).
     torch::jit::Stack s(kargs.begin(), kargs.end());
@@ -625,7 +625,7 @@ bool try_launch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
     kernel.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &s);
     // No out= overload: the kernel made fresh CPU tensors; move them into device memory.
     size_t q = 0;
-    for (int j : fresh) {
+    for (int j : *fresh) {
       const IValue& r = s[j];
       if (r.isTensor()) {
         const at::Tensor& t = r.toTensor();
