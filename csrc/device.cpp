@@ -28,6 +28,24 @@ thread_local std::array<c10::StreamId, kMaxStreamDevices> t_current_stream{};
 
 int64_t current_stream_id(c10::DeviceIndex d) { return t_current_stream[d]; }
 
+namespace {
+std::array<std::atomic<int64_t>, kMaxStreamDevices> g_epoch{};
+std::array<std::atomic<bool>, kMaxStreamDevices> g_multi_stream{};
+}  // namespace
+
+int64_t timeline_epoch(c10::DeviceIndex d, int64_t stream) {
+  if (stream != 0 && !g_multi_stream[d].load(std::memory_order_relaxed)) {
+    g_multi_stream[d].store(true);
+  }
+  return g_multi_stream[d].load(std::memory_order_relaxed) ? g_epoch[d].load() : 0;
+}
+
+void timeline_barrier(c10::DeviceIndex d) {
+  if (d >= 0 && d < kMaxStreamDevices && g_multi_stream[d].load(std::memory_order_relaxed)) {
+    g_epoch[d].fetch_add(1);
+  }
+}
+
 c10::DeviceIndex device_count() { return static_cast<c10::DeviceIndex>(g_device_count.load()); }
 void set_device_count(int n) { g_device_count.store(n); }
 c10::DeviceIndex current_device() { return t_current_device; }
@@ -124,6 +142,7 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   // One in-order executor per device runs every stream: work launched after the wait already
   // follows the recorded work.
   void block(void* event, const c10::Stream& stream) const override {
+    timeline_barrier(stream.device_index());
     if (event && check::enabled()) check::on_event_wait(event, stream.device_index(), stream.id());
   }
   bool queryEvent(void* event) const override {
@@ -143,16 +162,19 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     return done;
   }
   void synchronizeStream(const c10::Stream& s) const override {
+    timeline_barrier(s.device_index());
     queue::synchronize_stream(s.device_index(), s.id());
     if (check::enabled()) check::on_stream_sync(s.device_index(), s.id());
   }
   void synchronizeEvent(void* event) const override {
     if (!event) return;
     auto* e = static_cast<Event*>(event);
+    timeline_barrier(e->device);
     if (e->device >= 0) queue::wait_for(e->device, e->seq);
     if (check::enabled()) check::on_event_sync(event);
   }
   void synchronizeDevice(const c10::DeviceIndex d) const override {
+    timeline_barrier(d < 0 ? current_device() : d);
     queue::synchronize(d < 0 ? current_device() : d);
     if (check::enabled()) check::on_device_sync(d);
   }

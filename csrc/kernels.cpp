@@ -80,15 +80,19 @@ struct RecordKey {
   int8_t device;
   int8_t dtype;
   uint8_t len;
+  int64_t stream;
+  int64_t epoch;  // see timeline_epoch(): work of different epochs never overlaps
   std::array<int64_t, 16> sig;
   bool operator==(const RecordKey& o) const {
     return name == o.name && device == o.device && dtype == o.dtype && len == o.len &&
+           stream == o.stream && epoch == o.epoch &&
            std::equal(sig.begin(), sig.begin() + len, o.sig.begin());
   }
 };
 struct RecordKeyHash {
   size_t operator()(const RecordKey& k) const {
-    size_t h = std::hash<const void*>()(k.name) ^ (size_t(k.device) << 8) ^ (size_t(k.dtype) << 16);
+    size_t h = std::hash<const void*>()(k.name) ^ (size_t(k.device) << 8) ^ (size_t(k.dtype) << 16) ^
+               (size_t(k.stream) << 24) ^ (size_t(k.epoch) << 32);
     for (int i = 0; i < k.len; ++i) h = h * 1000003u ^ std::hash<int64_t>()(k.sig[i]);
     return h;
   }
@@ -123,6 +127,8 @@ void commit(Signature& s, const char* name, c10::DeviceIndex d, c10::ScalarType 
   s.key.name = name;
   s.key.device = static_cast<int8_t>(d);
   s.key.dtype = static_cast<int8_t>(dtype);
+  s.key.stream = current_stream_id(d);
+  s.key.epoch = timeline_epoch(d, s.key.stream);
   std::lock_guard<std::mutex> g(g_record_mu);
   auto& v = g_records[s.key];
   v.count += 1;
@@ -147,20 +153,22 @@ void set_quiet(bool on) { t_quiet = on; }
 bool quiet() { return t_quiet; }
 
 
-std::vector<std::tuple<std::string, int, int, std::vector<int64_t>, int64_t, int64_t, int64_t>>
+std::vector<std::tuple<std::string, int, int, std::vector<int64_t>, int64_t, int64_t, int64_t,
+                       int64_t, int64_t>>
 drain_records() {
   std::unordered_map<RecordKey, RecordValue, RecordKeyHash> taken;
   {
     std::lock_guard<std::mutex> g(g_record_mu);
     taken.swap(g_records);
   }
-  std::vector<std::tuple<std::string, int, int, std::vector<int64_t>, int64_t, int64_t, int64_t>> out;
+  std::vector<std::tuple<std::string, int, int, std::vector<int64_t>, int64_t, int64_t, int64_t,
+                         int64_t, int64_t>> out;
   out.reserve(taken.size());
   for (auto& kv : taken) {
     const auto& k = kv.first;
     out.emplace_back(std::string(k.name), int(k.device), int(k.dtype),
                      std::vector<int64_t>(k.sig.begin(), k.sig.begin() + k.len), kv.second.count,
-                     kv.second.bytes_in, kv.second.bytes_out);
+                     kv.second.bytes_in, kv.second.bytes_out, k.stream, k.epoch);
   }
   return out;
 }

@@ -13,7 +13,8 @@ namespace neuron {
 int route_composites_to_cpu();
 void set_quiet(bool on);
 bool quiet();
-std::vector<std::tuple<std::string, int, int, std::vector<int64_t>, int64_t, int64_t, int64_t>>
+std::vector<std::tuple<std::string, int, int, std::vector<int64_t>, int64_t, int64_t, int64_t,
+                       int64_t, int64_t>>
 drain_records();
 std::vector<std::pair<std::string, int64_t>> sync_op_counts(bool reset);
 }  // namespace neuron

@@ -46,6 +46,12 @@ at::Tensor adopt_tensor(const at::Tensor& cpu, c10::DeviceIndex d);
 
 int64_t current_stream_id(c10::DeviceIndex d);
 
+// The modelled timeline's epochs: work on different streams of one epoch overlaps; a cross-
+// stream wait or a host synchronization starts a new epoch. Epochs stay 0 until a device
+// uses a second stream, so single-stream programs aggregate into one record per op shape.
+int64_t timeline_epoch(c10::DeviceIndex d, int64_t stream);
+void timeline_barrier(c10::DeviceIndex d);
+
 // The cost model's op record and the once-per-op warning for dtypes Trainium lacks.
 void record_op(const char* name, c10::DeviceIndex d, c10::ScalarType dtype,
                c10::ArrayRef<at::Tensor> shape_tensors, int64_t bytes_in, int64_t bytes_out);

@@ -340,6 +340,7 @@ uint64_t launch(c10::DeviceIndex d, int64_t stream, const char* op, std::functio
 }
 
 void synchronize(c10::DeviceIndex d) {
+  timeline_barrier(d);
   auto* q = g_queues[d].load(std::memory_order_acquire);
   if (!q) return;
   q->wait(q->launched());
@@ -353,6 +354,7 @@ void synchronize_all() {
 }
 
 void synchronize_stream(c10::DeviceIndex d, int64_t stream) {
+  timeline_barrier(d);
   auto* q = g_queues[d].load(std::memory_order_acquire);
   if (!q) return;
   q->wait(q->last(stream));

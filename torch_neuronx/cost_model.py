@@ -1,7 +1,8 @@
 """Modelled Trainium time of the work the device executed: a roofline per op.
 
-The runtime (C++) counts every executed op by (name, device, dtype, input shapes, bytes);
-this module turns those counts into time on the selected chip from the hardware profile:
+The runtime (C++) counts every executed op by (name, device, dtype, input shapes, bytes,
+stream, timeline epoch); this module turns those counts into time on the selected chip from
+the hardware profile:
 
 - TensorE ops (matmul, convolution, attention): systolic-array cycles. One ``nc_matmul``
   instruction takes a <=128x128 stationary tile and streams a <=512-wide moving tile, costing
@@ -9,6 +10,10 @@ this module turns those counts into time on the selected chip from the hardware 
 - Other ops: elements over the vector (or, for transcendentals, scalar) engine's lanes.
 - Every op: HBM bytes over the logical core's bandwidth; time = launch + max(compute, HBM).
 - Host copies: bytes over the host link.
+- Streams overlap, as the chip's queues do: within one timeline epoch (the work between two
+  cross-stream waits or host synchronizations of a device) the device takes as long as its
+  busiest stream; epochs follow each other. Per-op and per-engine totals are busy time, so
+  with several streams they can add up to more than the timeline.
 Execution never reads this module: it is accounting, computed when asked.
 """
 from __future__ import annotations
@@ -134,8 +139,9 @@ _totals: dict = {}
 _lock = threading.Lock()  # compiled graphs and collectives add from other threads
 
 
-def _account(record) -> None:
-    name, device, dtype_code, sig, count, bytes_in, bytes_out = record
+def _account(record) -> float:
+    """Accounts one record's busy time and returns it (the timeline is the caller's)."""
+    name, device, dtype_code, sig, count, bytes_in, bytes_out = record[:7]
     cfg = _state.config()
     p, lnc = cfg.profile, cfg.lnc
     t = _total(device)
@@ -162,10 +168,30 @@ def _account(record) -> None:
             engine = "scalar" if scalar else "vector"
         seconds = count * p.launch_overhead_ns * 1e-9 + max(compute, hbm)
         t.hbm_bytes += bytes_in + bytes_out
-    t.seconds += seconds
     t.launches += count
     t.by_op[op] += seconds
     t.by_engine[engine] += seconds
+    return seconds
+
+
+# Per device: the newest epoch seen and its busy seconds per stream, since later records may
+# still fall into it.
+_open: dict = {}
+
+
+def _timeline(device: int, epoch: int, busy: dict) -> None:
+    t = _total(device)
+    last = _open.get(device)
+    if last is not None and last[0] == epoch:
+        t.seconds -= max(last[1].values())
+        for stream, sec in busy.items():
+            last[1][stream] = last[1].get(stream, 0.0) + sec
+        busy = last[1]
+    elif last is not None and last[0] > epoch:  # a straggler of a closed epoch: no overlap
+        t.seconds += sum(busy.values())
+        return
+    t.seconds += max(busy.values())
+    _open[device] = (epoch, busy)
 
 
 def _total(device: int) -> ModelledTime:
@@ -178,8 +204,13 @@ def _total(device: int) -> ModelledTime:
 def _drain() -> None:
     records = _C._drain_op_records()
     with _lock:
+        epochs: dict = defaultdict(lambda: defaultdict(float))
         for record in records:
-            _account(record)
+            seconds = _account(record)
+            device, stream, epoch = record[1], record[7], record[8]
+            epochs[(device, epoch)][stream] += seconds
+        for (device, epoch), busy in sorted(epochs.items()):
+            _timeline(device, epoch, busy)
 
 
 def modelled_time(device=None, reset: bool = False) -> ModelledTime:
@@ -189,6 +220,8 @@ def modelled_time(device=None, reset: bool = False) -> ModelledTime:
     idx = _index(device)
     with _lock:
         t = _totals.pop(idx, None) if reset else _totals.get(idx)
+        if reset:
+            _open.pop(idx, None)
     return t or ModelledTime(platform=_state.config().profile.name, device=idx)
 
 
@@ -199,8 +232,10 @@ def reset_modelled_time(device=None) -> None:
     with _lock:
         if device is None:
             _totals.clear()
+            _open.clear()
         else:
             _totals.pop(_index(device), None)
+            _open.pop(_index(device), None)
 
 
 def _add_time(device: int, name: str, seconds: float, *, engine: str, launches: int = 1,

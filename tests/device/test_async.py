@@ -300,3 +300,26 @@ def test_random_programs_are_bit_identical_cpu_blocking_async(steps, shape, dtyp
             g = g.cpu()
             torch.testing.assert_close(b, w, rtol=0, atol=0, equal_nan=True, msg=f"blocking {k}")
             torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True, msg=f"async {k}")
+
+
+def _modelled_matmuls(side_waits: bool) -> float:
+    x = torch.randn(512, 512, device=N)
+    x @ x
+    torch.neuron.synchronize()
+    torch_neuronx.reset_modelled_time()
+    main = torch.neuron.current_stream()
+    side = torch.neuron.Stream()
+    main_out = x @ x
+    if side_waits:
+        side.wait_stream(main)  # the side stream's matmul now follows the main one
+    with torch.neuron.stream(side):
+        side_out = x @ x
+    torch.neuron.synchronize()
+    del main_out, side_out
+    return torch_neuronx.modelled_time().seconds
+
+
+def test_streams_overlap_on_the_modelled_timeline():
+    overlapped = _modelled_matmuls(side_waits=False)
+    ordered = _modelled_matmuls(side_waits=True)
+    assert ordered == pytest.approx(2 * overlapped, rel=1e-6)
