@@ -11,7 +11,7 @@ setup(
         CppExtension(
             "torch_neuronx._C",
             sources=["csrc/allocator.cpp", "csrc/device.cpp", "csrc/kernels.cpp", "csrc/launch.cpp", "csrc/module.cpp",
-                     "csrc/queue.cpp",
+                     "csrc/queue.cpp", "csrc/fusion.cpp",
                      "csrc/stream_check.cpp"],
             extra_compile_args=["-O2", "-std=c++17"],
         )

@@ -98,6 +98,7 @@ def main():
         print(f"{name:<48}{c * k:>9.2f} {unit}{d * k:>9.2f} {unit}{r:>8.3f}  {target}")
 
     asynchronous(pairs)
+    adaptive_eager(pairs)
     memory(args)
 
 
@@ -145,6 +146,93 @@ def asynchronous(pairs):
     st = torch_neuronx.queue_stats()
     print(f"GPT step: {st['launched'] - before} queued launches; ran synchronously: "
           f"{st['synchronous_ops']}")
+
+
+def _with_aee(make, on):
+    def build():
+        torch_neuronx.set_adaptive_eager(on)
+        fn = make()
+        fn()
+        fn()  # the first call of each signature runs synchronously
+
+        def run():
+            torch_neuronx.set_adaptive_eager(on)
+            fn()
+            torch.neuron.synchronize()
+        return run
+    return build
+
+
+def _blocks():
+    # Memory-bound eager blocks written as users write them (hidden size 1024, tens of MB).
+    rows, hidden = 8192, 1024
+    x = torch.randn(rows, hidden, device="neuron")
+    w = torch.randn(hidden, device="neuron")
+    cos = torch.randn(rows, hidden // 2, device="neuron")
+    sin = torch.randn(rows, hidden // 2, device="neuron")
+
+    def gelu():
+        return 0.5 * x * (1 + torch.tanh(0.7978845608 * (x + 0.044715 * x * x * x)))
+
+    def rmsnorm():
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+    def layernorm():
+        mu = x.mean(-1, keepdim=True)
+        d = x - mu
+        return d * torch.rsqrt((d * d).mean(-1, keepdim=True) + 1e-5) * w
+
+    def rope():
+        x1, x2 = x[:, : hidden // 2], x[:, hidden // 2:]
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
+
+    def softmax():
+        e = torch.exp(x - x.amax(-1, keepdim=True))
+        return e / e.sum(-1, keepdim=True)
+
+    params = [torch.randn(1 << 20, device="neuron") for _ in range(8)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+
+    def adamw():
+        opt.step()
+    return {"GELU (tanh form, 8M elements)": gelu, "RMSNorm (8192x1024)": rmsnorm,
+            "LayerNorm written out (8192x1024)": layernorm, "RoPE (8192x1024)": rope,
+            "softmax written out (8192x1024)": softmax, "AdamW foreach step (8x4 MB)": adamw}
+
+
+def adaptive_eager(pairs):
+    # Adaptive Eager on vs off, both asynchronous on neuron: ratio = off time / on time
+    # (speed-up; higher is better).
+    print(f"{'Adaptive Eager (on vs off)':<48}{'off':>12}{'on':>12}{'speedup':>9}  launches")
+    for name, fn in _blocks().items():
+        r, on, off = paired(_with_aee(lambda fn=fn: fn, True), _with_aee(lambda fn=fn: fn, False),
+                            pairs, 5)
+        torch_neuronx.set_adaptive_eager(True)
+        torch_neuronx.adaptive_eager_stats(reset=True)
+        fn()
+        torch.neuron.synchronize()
+        st = torch_neuronx.adaptive_eager_stats()
+        print(f"{name:<48}{off * 1e3:>9.2f} ms{on * 1e3:>9.2f} ms{r:>8.2f}x  "
+              f"{st['ops']} -> {st['kernels']}")
+    r, on, off = paired(_with_aee(lambda: gpt_step("neuron", False), True),
+                        _with_aee(lambda: gpt_step("neuron", False), False), pairs, 3)
+    step = gpt_step("neuron", False)
+    step()
+    for on_ in (False, True):
+        torch_neuronx.set_adaptive_eager(on_)
+        step()
+        torch_neuronx.adaptive_eager_stats(reset=True)
+        torch_neuronx.reset_modelled_time()
+        step()
+        st = torch_neuronx.adaptive_eager_stats()
+        t = torch_neuronx.modelled_time()
+        print(f"GPT step, Adaptive Eager {'on ' if on_ else 'off'}: {st['ops']} ops -> "
+              f"{st['kernels']} kernels, modelled trn2 {t.seconds * 1e3:.3f} ms")
+    print(f"GPT train step (h256, 4 layers, fp32): off {off * 1e3:.2f} ms, on {on * 1e3:.2f} ms, "
+          f"on/off time {1 / r:.3f} (target <= 1/0.97 = 1.031)")
+    torch_neuronx.set_adaptive_eager(True)
 
 
 def memory(args):

@@ -65,13 +65,14 @@ struct Adopted {
   c10::DeviceIndex device;
 };
 
-// A freed block that queued work launched before the free may still use: it becomes
-// reusable once the device's queue has run past `seq` (stream-ordered reuse).
+// An adopted CPU buffer freed while queued work launched before the free may still use it:
+// released to the CPU allocator once the device's queue has run past `seq`. (Device blocks
+// need no such wait: they are reused only by later work, which the in-order queue runs after
+// the work that used them, or by the host after it waited for the queue; see release().)
 struct Deferred {
   uint64_t seq;
-  void* ptr;
   size_t size;
-  Adopted* adopted;  // set for an adopted CPU buffer, released instead of cached
+  Adopted* adopted;
 };
 
 struct DeviceState {
@@ -129,7 +130,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     std::lock_guard<std::mutex> g(mu_);
     for (int d = 0; d < kMaxDevices; ++d) {
       reclaim_locked(state_[d], static_cast<c10::DeviceIndex>(d));
-      release_cache_locked(state_[d]);
+      release_cache_locked(state_[d], static_cast<c10::DeviceIndex>(d));
     }
   }
 
@@ -139,6 +140,9 @@ class NeuronAllocator final : public c10::DeviceAllocator {
   }
 
   DeviceStats getDeviceStats(c10::DeviceIndex d) override {
+    // Tensors the program dropped may still be held by the fusion window: let it go first,
+    // so the numbers say what the program holds.
+    fusion::flush(d);
     std::lock_guard<std::mutex> g(mu_);
     return state_[d].stats;
   }
@@ -167,6 +171,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
   }
 
   std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex d) override {
+    fusion::flush(d);
     std::lock_guard<std::mutex> g(mu_);
     auto& st = state_[d];
     int64_t used = st.stats.reserved_bytes[0].current;
@@ -179,7 +184,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     {
       std::lock_guard<std::mutex> g(mu_);
       auto& st = state_[d];
-      if (st.stats.reserved_bytes[0].current + int64_t(size) > st.limit) release_cache_locked(st);
+      if (st.stats.reserved_bytes[0].current + int64_t(size) > st.limit) release_cache_locked(st, d);
       if (st.stats.reserved_bytes[0].current + int64_t(size) > st.limit) {
         st.stats.num_ooms++;
         raise_oom_locked(st, size, d, "");
@@ -221,7 +226,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
       auto& st = self.state_[a->device];
       if (seq) {
         // Counted as freed now (as CUDA's allocator does); released once the queue passes.
-        st.deferred.push_back({seq, nullptr, a->size, a});
+        st.deferred.push_back({seq, a->size, a});
         update(st.stats.allocated_bytes[0], -int64_t(a->size));
         update(st.stats.active_bytes[0], -int64_t(a->size));
         update(st.stats.requested_bytes[0], -int64_t(a->size));
@@ -240,16 +245,15 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     delete a;
   }
 
+  // Stream-ordered reuse, as CUDA's caching allocator does: a block freed while queued work
+  // still uses it goes straight back to the cache, because whoever gets it next writes it
+  // either from work launched later (run after that work by the in-order queue) or from the
+  // host after waiting for the queue (synchronous ops, copies to the host, direct access).
   void release(Block* b) {
-    uint64_t seq = queue::busy_until(b->device);
     std::lock_guard<std::mutex> g(mu_);
     auto& st = state_[b->device];
-    if (seq) {
-      st.deferred.push_back({seq, b->ptr, b->size, nullptr});
-    } else {
-      st.free_blocks[b->size].push_back(b->ptr);
-      st.cached_bytes += b->size;
-    }
+    st.free_blocks[b->size].push_back(b->ptr);
+    st.cached_bytes += b->size;
     update(st.stats.allocated_bytes[0], -int64_t(b->size));
     update(st.stats.active_bytes[0], -int64_t(b->size));
     update(st.stats.requested_bytes[0], -int64_t(b->requested));
@@ -257,19 +261,14 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     update(st.stats.active[0], -1);
   }
 
-  // Deferred frees whose launching work has run become reusable (in free order).
+  // Adopted buffers whose last users have run are released (in free order).
   void reclaim_locked(DeviceState& st, c10::DeviceIndex d) {
     while (!st.deferred.empty() && queue::has_run(d, st.deferred.front().seq)) {
       auto f = st.deferred.front();
       st.deferred.pop_front();
-      if (f.adopted) {
-        update(st.stats.reserved_bytes[0], -int64_t(f.size));
-        update(st.stats.segment[0], -1);
-        delete f.adopted;
-      } else {
-        st.free_blocks[f.size].push_back(f.ptr);
-        st.cached_bytes += f.size;
-      }
+      update(st.stats.reserved_bytes[0], -int64_t(f.size));
+      update(st.stats.segment[0], -1);
+      delete f.adopted;
     }
   }
 
@@ -281,14 +280,14 @@ class NeuronAllocator final : public c10::DeviceAllocator {
         queue::wait_idle(d);
         reclaim_locked(st, d);
       }
-      release_cache_locked(st);
+      release_cache_locked(st, d);
     }
     if (st.stats.reserved_bytes[0].current + int64_t(size) > st.limit) {
       st.stats.num_ooms++;
       raise_oom_locked(st, requested, d, "");
     }
     if (size >= kHostCheckBytes && size > host_available_bytes()) {
-      release_cache_locked(st);
+      release_cache_locked(st, d);
       if (size > host_available_bytes()) {
         st.stats.num_ooms++;
         raise_oom_locked(st, requested, d, " The host running the virtual device has less memory available than requested.");
@@ -296,7 +295,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     }
     void* ptr = std::aligned_alloc(kAlign, (size + kAlign - 1) / kAlign * kAlign);
     if (!ptr) {
-      release_cache_locked(st);
+      release_cache_locked(st, d);
       ptr = std::aligned_alloc(kAlign, (size + kAlign - 1) / kAlign * kAlign);
       if (!ptr) {
         st.stats.num_ooms++;
@@ -309,7 +308,10 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     return ptr;
   }
 
-  void release_cache_locked(DeviceState& st) {
+  void release_cache_locked(DeviceState& st, c10::DeviceIndex d) {
+    // Cached blocks may still be read or written by queued work: returning them to the
+    // host's allocator must wait for the queue.
+    if (!st.free_blocks.empty()) queue::wait_idle(d);
     for (auto& kv : st.free_blocks) {
       for (void* p : kv.second) {
         std::free(p);

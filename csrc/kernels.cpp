@@ -149,6 +149,16 @@ void record_op(const char* name, c10::DeviceIndex d, c10::ScalarType dtype,
 
 std::vector<std::pair<std::string, int64_t>> sync_op_counts(bool reset);
 
+void record_fused(c10::DeviceIndex d, c10::ScalarType dtype, int64_t numel, int64_t n_ops,
+                  int64_t bytes_in, int64_t bytes_out) {
+  Signature s;
+  s.key.sig[0] = 2;
+  s.key.sig[1] = numel;
+  s.key.sig[2] = n_ops;
+  s.key.len = 3;
+  commit(s, "neuron::fused_pointwise", d, dtype, bytes_in, bytes_out);
+}
+
 void set_quiet(bool on) { t_quiet = on; }
 bool quiet() { return t_quiet; }
 
@@ -272,6 +282,7 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
                 src_h.layout() == c10::kStrided;
   if (queued) {
     if (!from_dev) src_h = src_h.clone();
+    fusion::count_launch();
     queue::launch(d, current_stream_id(d), "aten::copy_",
                   [dst_h, src_h]() mutable { dst_h.copy_(src_h); });
   } else {

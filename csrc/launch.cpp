@@ -28,6 +28,8 @@ struct Plan {
   std::vector<int> fresh;         // returns the op allocates
   std::vector<int> ret_arg;       // per return: the argument it writes, or -1
   std::optional<c10::OperatorHandle> out_op;  // out= overload writing the fresh returns
+  bool pointwise = false;   // a candidate for the fusion window
+  int inplace_self = -1;    // for an in-place op: the argument it writes and returns
 };
 
 struct OutMeta {
@@ -42,6 +44,9 @@ struct Entry {
   bool use_out = false;  // the out= overload gave the functional op's results, bit for bit
   std::vector<OutMeta> outs;    // fresh outputs, lists flattened
   std::vector<int> list_len;    // per fresh return: -1 for a tensor, else the list length
+  // out= arguments passed empty (composite ops call `foo_out(at::empty({0}), ...)`): the
+  // launch gives them their shape and memory, as the kernel's resize would.
+  std::vector<std::pair<int, OutMeta>> grow;
 };
 
 std::mutex g_mu;
@@ -130,6 +135,16 @@ Plan make_plan(const c10::OperatorHandle& op) {
   }
   if (!p.fresh.empty() && !lists && p.fresh.size() == rets.size()) {
     p.out_op = find_out(op, p.fresh.size());
+  }
+  if (op.hasTag(at::Tag::pointwise) && rets.size() == 1) {
+    int writes = 0;
+    for (const auto& a : s.arguments()) writes += a.alias_info() && a.alias_info()->isWrite();
+    if (p.fresh.size() == 1 && writes == 0 && p.out_op) {
+      p.pointwise = true;
+    } else if (p.fresh.empty() && writes == 1 && p.ret_arg[0] >= 0) {
+      p.pointwise = true;
+      p.inplace_self = p.ret_arg[0];
+    }
   }
   p.eligible = true;
   return p;
@@ -297,24 +312,29 @@ std::optional<Entry> learn(const c10::OperatorHandle& op, const Plan& plan,
                            const torch::jit::Stack& stack, size_t base) {
   const auto& args = op.schema().arguments();
   torch::jit::Stack ms;
-  std::vector<std::pair<at::Tensor, at::Tensor>> written;  // (device arg, meta arg)
-  for (size_t i = 0; i < args.size(); ++i) {
-    const IValue& v = stack[base + i];
-    ms.push_back(to_meta(v));
-    bool write = args[i].alias_info() && args[i].alias_info()->isWrite();
-    if (write && v.isTensor() && v.toTensor().defined()) written.emplace_back(v.toTensor(), ms.back().toTensor());
-  }
+  for (size_t i = 0; i < args.size(); ++i) ms.push_back(to_meta(stack[base + i]));
+  // The kernel returns its out= arguments; keep the Meta ones to compare after the call.
+  torch::jit::Stack metas(ms.begin(), ms.end());
   try {
     c10::impl::ExcludeDispatchKeyGuard no_autograd(c10::autograd_dispatch_keyset_with_ADInplaceOrView);
     op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), &ms);
-  } catch (const std::exception&) {
-    return std::nullopt;  // no Meta kernel, or bad arguments: the synchronous path reports it
-  }
-  for (auto& [dev, meta] : written) {
-    // An out= argument the op would resize goes through the synchronous path.
-    if (dev.sizes() != meta.sizes() || dev.strides() != meta.strides()) return std::nullopt;
+    } catch (const std::exception& e) {
+      return std::nullopt;  // no Meta kernel, or bad arguments: the synchronous path reports it
   }
   Entry e;
+  for (size_t i = 0; i < args.size(); ++i) {
+    bool write = args[i].alias_info() && args[i].alias_info()->isWrite();
+    if (!write || !stack[base + i].isTensor() || !stack[base + i].toTensor().defined()) continue;
+    const at::Tensor& dev = stack[base + i].toTensor();
+    const at::Tensor& meta = metas[i].isTensor() ? metas[i].toTensor() : dev;
+    if (dev.sizes() == meta.sizes() && dev.strides() == meta.strides()) continue;
+    // Only an empty, memoryless out= argument is grown at launch; any other resize (which
+    // keeps data) goes through the synchronous path.
+    if (dev.numel() != 0 || dev.storage().nbytes() != 0 || meta.scalar_type() != dev.scalar_type()) {
+      return std::nullopt;
+    }
+    e.grow.emplace_back(int(i), OutMeta{meta.sizes().vec(), meta.strides().vec(), meta.scalar_type(), true});
+  }
   const size_t r0 = ms.size() - op.schema().returns().size();
   for (int j : plan.fresh) {
     const IValue& r = ms[r0 + j];
@@ -323,7 +343,7 @@ std::optional<Entry> learn(const c10::OperatorHandle& op, const Plan& plan,
         e.outs.push_back({{}, {}, c10::kFloat, false});
         return true;
       }
-      if (t.device().type() != c10::kMeta || t.layout() != c10::kStrided) return false;
+          if (t.device().type() != c10::kMeta || t.layout() != c10::kStrided) return false;
       e.outs.push_back({t.sizes().vec(), t.strides().vec(), t.scalar_type(), true});
       return true;
     };
@@ -378,11 +398,37 @@ IValue to_kernel_arg(const IValue& v) {
 
 namespace {
 
+// Every tensor operand a contiguous device tensor of the output's shape (or a CPU scalar),
+// and a fresh output the out= overload writes exactly: chunks of it are then independent.
+bool fusible(const Plan& plan, const torch::jit::Stack& stack, size_t base, size_t n,
+             const std::vector<at::Tensor>& out_dev, bool use_out) {
+  if (plan.inplace_self < 0 && !use_out) return false;
+  const at::Tensor& shaped = plan.inplace_self >= 0 ? stack[base + plan.inplace_self].toTensor()
+                                                    : out_dev[0];
+  if (!shaped.defined() || !shaped.is_contiguous() || shaped.numel() == 0) return false;
+  for (size_t i = 0; i < n; ++i) {
+    const IValue& v = stack[base + i];
+    if (v.isTensor()) {
+      const at::Tensor& t = v.toTensor();
+      if (!t.defined()) continue;
+      if (t.device().is_cpu()) {
+        if (t.dim() != 0) return false;
+        continue;
+      }
+      if (!t.is_contiguous() || t.sizes() != shaped.sizes()) return false;
+    } else if (v.isList() || v.isGenerator()) {
+      return false;
+    }
+  }
+  return true;
+}
+
 struct Pending {
   std::shared_ptr<Entry> entry;  // outputs as the Meta kernel sees them
   uint64_t hash;
   std::vector<const void*> inputs;  // device buffers of the arguments
   std::vector<IValue> args;         // kept only when the out= overload needs checking
+  std::vector<at::Tensor> grown;    // the out= arguments grown by the first run
 };
 
 bool same_bits(const at::Tensor& a, const at::Tensor& b) {
@@ -477,6 +523,12 @@ void confirm(std::shared_ptr<void>& learning, const c10::OperatorHandle& op,
       ok = false;
     }
   }
+  for (size_t k = 0; k < e.grow.size() && ok; ++k) {
+    // The CPU kernel's layout for a grown out= argument, as for fresh outputs.
+    const at::Tensor& t = p->grown[k];
+    ok = t.sizes().vec() == e.grow[k].second.sizes && t.scalar_type() == e.grow[k].second.dtype;
+    e.grow[k].second.strides = t.strides().vec();
+  }
   e.async = ok && q == e.outs.size();
   if (e.async && plan.out_op && !p->args.empty()) {
     std::vector<at::Tensor> want;
@@ -527,13 +579,14 @@ bool try_launch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   }
   if (!entry) {
     auto learned = learn(op, plan, *stack, base);
-    auto e = std::make_shared<Entry>(learned ? std::move(*learned) : Entry{});
+      auto e = std::make_shared<Entry>(learned ? std::move(*learned) : Entry{});
     e->key.assign(a.key.begin(), a.key.end());
     if (learned) {
       auto p = std::make_shared<Pending>();
       p->entry = std::move(e);
       p->hash = h;
       for (size_t i = 0; i < n; ++i) collect_buffers((*stack)[base + i], p->inputs);
+      for (const auto& [i, m] : p->entry->grow) p->grown.push_back((*stack)[base + i].toTensor());
       bool writes = false;
       for (const auto& arg : schema.arguments()) writes = writes || (arg.alias_info() && arg.alias_info()->isWrite());
       if (plan.out_op && !writes) p->args.assign(stack->begin() + base, stack->end());
@@ -547,6 +600,20 @@ bool try_launch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   if (!entry->async) return false;
   const auto& outs = entry->outs;
   const auto& list_len = entry->list_len;
+  for (const auto& [i, m] : entry->grow) {
+    const at::Tensor& t = (*stack)[base + i].toTensor();
+    if (t.numel() != 0 || t.storage().nbytes() != 0) return false;
+  }
+  for (const auto& [i, m] : entry->grow) {
+    // A memoryless tensor: no queued work can be using it, so no need to wait.
+    const at::Tensor& t = (*stack)[base + i].toTensor();
+    auto* impl = t.unsafeGetTensorImpl();
+    impl->set_sizes_and_strides(m.sizes, m.strides);
+    size_t bytes = at::detail::computeStorageNbytes(m.sizes, m.strides, t.element_size());
+    auto* st = t.storage().unsafeGetStorageImpl();
+    st->set_data_ptr_noswap(allocate_on(bytes, a.device));
+    st->set_nbytes(bytes);
+  }
 
   // Outputs, allocated now as a CUDA launch does.
   std::vector<at::Tensor> out_dev;
@@ -605,7 +672,6 @@ bool try_launch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   c10::ScalarType dtype = a.dtype != c10::ScalarType::Undefined ? a.dtype
                           : outs.empty() ? c10::kFloat : outs[0].dtype;
   warn_if_unportable(op, dtype);
-  record_op(schema.operator_name().name.c_str(), a.device, dtype, a.first, a.bytes_in, bytes_out);
 
   std::optional<c10::OperatorHandle> kernel = plan.out_op;
   bool use_out = entry->use_out && kernel.has_value() && !out_alias.empty() && all_defined;
@@ -639,6 +705,36 @@ bool try_launch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
     }
   };
 
+  // Adaptive Eager Execution: a pointwise op over contiguous operands of one shape joins the
+  // device's fusion window instead of being queued on its own.
+  if (plan.pointwise && fusion::enabled() && fusible(plan, *stack, base, n, out_dev, use_out)) {
+    fusion::Op f;
+    f.kernel = use_out ? *plan.out_op : op;
+    f.use_out = use_out;
+    f.self = plan.inplace_self;
+    f.args.assign(stack->begin() + base, stack->end());
+    for (auto& v : f.args) {
+      if (v.isTensor() && v.toTensor().defined() && v.toTensor().device().is_cpu()) {
+        v = snapshot_cpu_scalar(v.toTensor());
+      }
+    }
+    f.outs = out_dev;
+    const at::Tensor& shaped = use_out ? out_dev[0] : (*stack)[base + plan.inplace_self].toTensor();
+    f.numel = shaped.numel();
+    f.shape = shaped.sizes().vec();
+    f.name = schema.operator_name().name.c_str();
+    f.dtype = dtype;
+    f.shape_tensors.assign(a.first.begin(), a.first.end());
+    f.bytes_in = a.bytes_in;
+    f.bytes_out = bytes_out;
+    f.run = std::move(run);
+    stack->erase(stack->begin() + base, stack->end());
+    for (auto& r : results) stack->push_back(std::move(r));
+    fusion::append(a.device, current_stream_id(a.device), std::move(f));
+    return true;
+  }
+  record_op(schema.operator_name().name.c_str(), a.device, dtype, a.first, a.bytes_in, bytes_out);
+  fusion::count_launch();
   stack->erase(stack->begin() + base, stack->end());
   for (auto& r : results) stack->push_back(std::move(r));
   queue::launch(a.device, current_stream_id(a.device), schema.operator_name().name.c_str(),

@@ -108,6 +108,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("_enter_sync", &neuron::queue::enter_sync, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("_exit_sync", &neuron::queue::exit_sync);
+  m.def("_adaptive_eager_enabled", &neuron::fusion::enabled);
+  m.def("_set_adaptive_eager", &neuron::fusion::set_enabled,
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("_adaptive_eager_stats", [](bool reset) {
+    auto s = neuron::fusion::stats(reset);
+    return std::make_tuple(s.ops, s.kernels, s.fused_kernels, s.fused_ops);
+  }, pybind11::arg("reset") = false);
   m.def("_sync_op_counts", &neuron::sync_op_counts, pybind11::arg("reset") = false);
   m.def("_queue_counts", [](int d) { return neuron::queue::counts(static_cast<c10::DeviceIndex>(d)); });
   m.def("_set_stream_check", &neuron::check::set_enabled);

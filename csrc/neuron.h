@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
-namespace c10 {
-class OperatorHandle;
-}
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <optional>
 
 namespace neuron {
 
@@ -56,6 +56,38 @@ void timeline_barrier(c10::DeviceIndex d);
 void record_op(const char* name, c10::DeviceIndex d, c10::ScalarType dtype,
                c10::ArrayRef<at::Tensor> shape_tensors, int64_t bytes_in, int64_t bytes_out);
 void warn_if_unportable(const c10::OperatorHandle& op, c10::ScalarType dtype);
+// A fused pointwise kernel: n_ops ops over numel elements, one HBM round trip.
+void record_fused(c10::DeviceIndex d, c10::ScalarType dtype, int64_t numel, int64_t n_ops,
+                  int64_t bytes_in, int64_t bytes_out);
+
+// Adaptive Eager Execution (fusion.cpp): pointwise ops wait in a per-device window and run
+// as one chunked kernel, bit-identical to eager.
+namespace fusion {
+struct Op {
+  std::optional<c10::OperatorHandle> kernel;  // the out= overload, or the in-place op
+  std::function<void()> run;          // the op alone, when the window holds only it
+  std::vector<c10::IValue> args;      // device tensors stay device tensors here
+  std::vector<at::Tensor> outs;       // the fresh output (out= ops)
+  bool use_out = false;
+  int self = -1;                      // the argument an in-place op writes
+  int64_t numel = 0;
+  std::vector<int64_t> shape;
+  const char* name = nullptr;
+  c10::ScalarType dtype = c10::kFloat;
+  std::vector<at::Tensor> shape_tensors;  // for the cost record
+  int64_t bytes_in = 0, bytes_out = 0;
+};
+struct Stats {
+  int64_t ops, kernels, fused_kernels, fused_ops;
+};
+bool enabled();
+void set_enabled(bool on);
+void count_launch();  // a launch that bypasses the window: one op, one kernel
+void append(c10::DeviceIndex d, int64_t stream, Op op);
+void flush(c10::DeviceIndex d);
+void flush_all();
+Stats stats(bool reset);
+}  // namespace fusion
 
 namespace launch {
 // Queues the op on `stack` to run asynchronously; false: it must run now.
@@ -81,7 +113,9 @@ void set_blocking(bool on);
 void enter_sync();  // host code reading device memory directly (compiled graphs, NKI)
 void exit_sync();
 void set_site_hooks(Site (*capture)(), std::string (*describe)(const Site&));
+// launch() first closes the device's fusion window; launch_now() is the window's own.
 uint64_t launch(c10::DeviceIndex d, int64_t stream, const char* op, std::function<void()> run);
+uint64_t launch_now(c10::DeviceIndex d, int64_t stream, const char* op, std::function<void()> run);
 void synchronize(c10::DeviceIndex d);
 void synchronize_all();
 void synchronize_stream(c10::DeviceIndex d, int64_t stream);

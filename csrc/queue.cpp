@@ -335,11 +335,17 @@ void set_site_hooks(Site (*capture)(), std::string (*describe)(const Site&)) {
   g_describe = describe;
 }
 
+uint64_t launch_now(c10::DeviceIndex d, int64_t stream, const char* op, std::function<void()> run) {
+  return get(d).launch(op, stream, std::move(run));
+}
+
 uint64_t launch(c10::DeviceIndex d, int64_t stream, const char* op, std::function<void()> run) {
+  fusion::flush(d);
   return get(d).launch(op, stream, std::move(run));
 }
 
 void synchronize(c10::DeviceIndex d) {
+  fusion::flush(d);
   timeline_barrier(d);
   auto* q = g_queues[d].load(std::memory_order_acquire);
   if (!q) return;
@@ -348,12 +354,14 @@ void synchronize(c10::DeviceIndex d) {
 }
 
 void synchronize_all() {
+  fusion::flush_all();
   for (int d = 0; d < kMaxDevices; ++d) {
     if (g_queues[d].load(std::memory_order_acquire)) synchronize(static_cast<c10::DeviceIndex>(d));
   }
 }
 
 void synchronize_stream(c10::DeviceIndex d, int64_t stream) {
+  fusion::flush(d);
   timeline_barrier(d);
   auto* q = g_queues[d].load(std::memory_order_acquire);
   if (!q) return;
@@ -362,6 +370,7 @@ void synchronize_stream(c10::DeviceIndex d, int64_t stream) {
 }
 
 bool query_stream(c10::DeviceIndex d, int64_t stream) {
+  fusion::flush(d);
   auto* q = g_queues[d].load(std::memory_order_acquire);
   if (!q) return true;
   bool done = q->done(q->last(stream));

@@ -72,7 +72,9 @@ _stream_check_from_env()
 
 from .runtime.queue import _drain_at_exit  # noqa: E402
 from .runtime.queue import _from_environment as _queue_from_env  # noqa: E402
-from .runtime.queue import is_launch_blocking, queue_stats, set_launch_blocking  # noqa: E402
+from .runtime.queue import (adaptive_eager_stats, is_adaptive_eager_enabled,  # noqa: E402
+                            is_launch_blocking, queue_stats, set_adaptive_eager,
+                            set_launch_blocking)
 
 _queue_from_env()
 import atexit as _atexit  # noqa: E402
@@ -104,7 +106,8 @@ def __getattr__(name):
 
 
 __all__ = ["modelled_time", "reset_modelled_time", "stream_check", "set_launch_blocking",
-           "is_launch_blocking", "queue_stats"]
+           "is_launch_blocking", "queue_stats", "adaptive_eager_stats", "set_adaptive_eager",
+           "is_adaptive_eager_enabled"]
 
 
 def _quiet_printing() -> None:

@@ -159,6 +159,10 @@ def _account(record) -> float:
             compute = count * _tensore_seconds(p, dims, dtype, lnc)
             t.flops += count * 2.0 * math.prod(dims)
             engine = "tensor"
+        elif op == "fused_pointwise":  # Adaptive Eager: n ops on VectorE, one HBM round trip
+            numel, n_ops = _shapes(sig)[0]
+            compute = count * numel * n_ops / (p.vector_lanes * p.vector_clock * lnc)
+            engine = "vector"
         else:
             elems = max(bytes_in, bytes_out) / dtype.itemsize
             base = op.rstrip("_")

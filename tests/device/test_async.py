@@ -3,8 +3,6 @@ queued work surface at the next synchronization with the op and its launch line,
 time the device, and memory freed behind queued work is not reused under it."""
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -12,17 +10,9 @@ from hypothesis import strategies as st
 
 import torch_neuronx
 
+from _modes import blocking  # noqa: E402
+
 N = "neuron"
-
-
-@contextlib.contextmanager
-def blocking(on: bool):
-    prev = torch_neuronx.is_launch_blocking()
-    torch_neuronx.set_launch_blocking(on)
-    try:
-        yield
-    finally:
-        torch_neuronx.set_launch_blocking(prev)
 
 
 def test_launch_returns_before_the_work_runs():
@@ -286,10 +276,10 @@ def _program(steps, shape, dtype, seed, device):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(steps=st.lists(_steps, min_size=1, max_size=12),
-       shape=st.sampled_from([(7,), (3, 5), (4, 1, 33), (64, 130), (2, 3, 4, 5)]),
+       shape=st.sampled_from([(7,), (3, 5), (4, 1, 33), (64, 130), (2, 3, 4, 5), (3, 23457)]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
        seed=st.integers(0, 2**16))
-def test_random_programs_are_bit_identical_cpu_blocking_async(steps, shape, dtype, seed):
+def test_random_programs_are_bit_identical_cpu_blocking_async_fused(steps, shape, dtype, seed):
     want = _program(steps, shape, dtype, seed, "cpu")
     with blocking(True):
         blocked = [t.cpu() for t in _program(steps, shape, dtype, seed, N)]

@@ -45,6 +45,31 @@ def queue_stats(device=None, reset: bool = False) -> dict:
             "synchronous_ops": dict(_C._sync_op_counts(reset))}
 
 
+def adaptive_eager_stats(reset: bool = False) -> dict:
+    """Adaptive Eager Execution's counters since start (or the last reset).
+
+    ``ops``: ops launched to the queues (before fusion); ``kernels``: kernels the queues ran
+    for them (after fusion); ``fused_kernels`` of those were fused, holding ``fused_ops``.
+    """
+    ops, kernels, fused_kernels, fused_ops = _C._adaptive_eager_stats(reset)
+    return {"ops": ops, "kernels": kernels, "fused_kernels": fused_kernels,
+            "fused_ops": fused_ops}
+
+
+def set_adaptive_eager(enabled: bool) -> None:
+    """Turn Adaptive Eager fusion on (the default) or off for the process.
+
+    It is also off under ``torch.use_deterministic_algorithms(True)`` or
+    ``torch.set_deterministic_debug_mode(...)`` (not "default"), and when
+    ``TORCH_NEURONX_ADAPTIVE_EAGER=0`` at import.
+    """
+    _C._set_adaptive_eager(bool(enabled))
+
+
+def is_adaptive_eager_enabled() -> bool:
+    return _C._adaptive_eager_enabled()
+
+
 def _from_environment() -> None:
     if os.environ.get("NEURON_LAUNCH_BLOCKING", "0") not in ("", "0"):
         _C._set_launch_blocking(True)
