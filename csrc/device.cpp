@@ -142,6 +142,7 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   // One in-order executor per device runs every stream: work launched after the wait already
   // follows the recorded work.
   void block(void* event, const c10::Stream& stream) const override {
+    fusion::flush(stream.device_index());  // a cross-stream wait is a fusion boundary
     timeline_barrier(stream.device_index());
     if (event && check::enabled()) check::on_event_wait(event, stream.device_index(), stream.id());
   }
