@@ -7,6 +7,7 @@
 // non-tensors or has no Meta kernel for these arguments runs synchronously instead.
 #include "neuron.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
@@ -405,7 +406,11 @@ bool fusible(const Plan& plan, const torch::jit::Stack& stack, size_t base, size
   if (plan.inplace_self < 0 && !use_out) return false;
   const at::Tensor& shaped = plan.inplace_self >= 0 ? stack[base + plan.inplace_self].toTensor()
                                                     : out_dev[0];
-  if (!shaped.defined() || !shaped.is_contiguous() || shaped.numel() == 0) return false;
+  // Below eager's parallel grain a tensor is cache-resident anyway: fusing saves nothing
+  // there and would only add the window's bookkeeping to the launch.
+  if (!shaped.defined() || !shaped.is_contiguous() || shaped.numel() < at::internal::GRAIN_SIZE) {
+    return false;
+  }
   for (size_t i = 0; i < n; ++i) {
     const IValue& v = stack[base + i];
     if (v.isTensor()) {

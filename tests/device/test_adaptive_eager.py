@@ -54,7 +54,10 @@ def test_fused_chains_are_bit_identical_to_cpu(dtype, numel):
     want, got, stats = _run_twice(_chain, x, y)
     for k, (g, w) in enumerate(zip(got, want)):
         assert torch.equal(_bits(g), _bits(w)), f"output {k}"
-    assert stats["fused_kernels"] >= 1 and stats["kernels"] < stats["ops"]
+    if numel >= 32768:  # smaller tensors are cache-resident: they are not worth fusing
+        assert stats["fused_kernels"] >= 1 and stats["kernels"] < stats["ops"]
+    else:
+        assert stats["fused_kernels"] == 0
 
 
 def test_multidimensional_and_in_place_on_inputs():
@@ -92,7 +95,7 @@ def test_unfused_and_fused_agree_for_a_random_training_step():
         m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(approximate="tanh"),
                                 torch.nn.Linear(128, 64)).to(device)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False)
-        x = torch.randn(32, 64).to(device)
+        x = torch.randn(512, 64).to(device)  # 512x128 activations: big enough to fuse
         for _ in range(3):
             opt.zero_grad()
             h = m(x)
@@ -103,13 +106,15 @@ def test_unfused_and_fused_agree_for_a_random_training_step():
     want = step("cpu")
     with aee(False):
         plain = step(N)
+    torch_neuronx.adaptive_eager_stats(reset=True)
     fused = step(N)
+    assert torch_neuronx.adaptive_eager_stats()["fused_kernels"] >= 3
     for w, p, f in zip(want, plain, fused):
         assert torch.equal(p, w) and torch.equal(f, w)
 
 
 def test_fusion_boundaries_keep_program_order():
-    x = torch.randn(30000, device=N)
+    x = torch.randn(40000, device=N)
     (x * 2 + 1).relu()
     s = torch.neuron.Stream()
     for _ in range(2):
@@ -129,7 +134,7 @@ def test_fusion_boundaries_keep_program_order():
 
 
 def test_overlapping_views_are_not_fused_across():
-    buf = torch.arange(20001.0)
+    buf = torch.arange(40001.0)
     def f(buf):
         buf = buf.clone()
         a, b = buf[:-1], buf[1:]
@@ -142,7 +147,7 @@ def test_overlapping_views_are_not_fused_across():
 
 
 def test_deterministic_mode_and_switch_turn_fusion_off():
-    x = torch.randn(5000, device=N)
+    x = torch.randn(50000, device=N)
     _gelu_tanh(x)
     for ctx in (lambda: aee(False), _deterministic, _debug_mode):
         with ctx():
@@ -179,7 +184,7 @@ def _debug_mode():
 
 def test_environment_switch():
     code = ("import torch, torch_neuronx\n"
-            "x = torch.randn(100, device='neuron')\n"
+            "x = torch.randn(100000, device='neuron')\n"
             "for _ in range(2): y = (x * 2 + 1).relu()\n"
             "torch.neuron.synchronize()\n"
             "s = torch_neuronx.adaptive_eager_stats()\n"
