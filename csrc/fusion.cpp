@@ -17,6 +17,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <pthread.h>
+
 #include <array>
 #include <atomic>
 #include <cstdlib>
@@ -48,6 +50,18 @@ struct Window {
 };
 
 std::array<Window, 64> g_windows;
+
+// A forked child has no executor threads and may have inherited a window mutex held by a
+// thread that does not exist there: start over, empty.
+bool g_atfork = [] {
+  pthread_atfork(nullptr, nullptr, [] {
+    for (auto& w : g_windows) {
+      new (&w.mu) std::mutex();
+      new (&w.ops) std::vector<Op>();
+    }
+  });
+  return true;
+}();
 
 const void* address(const at::Tensor& t) {
   return static_cast<const char*>(t.storage().data()) + t.storage_offset() * t.element_size();
