@@ -277,8 +277,18 @@ def _functional(device):
 
 
 # --- bad input -------------------------------------------------------------------------------
+def _expect_transport():
+    """The agreement transport the test asked for: shared memory by default on one host."""
+    want = {"0": "off", "1": "shm", "gloo": "gloo"}[os.environ.get("TORCH_NEURONX_DIST_CHECK", "1")]
+    got = dist.group.WORLD.check_transport
+    assert got == want, f"agreement over {got}, expected {want}"
+    print("transport", got)
+    return got
+
+
 def scenario_mismatch():
     init(timeout=20)
+    _expect_transport()
     n = 4 if RANK == 0 else 5
     for what, fn in (
         ("shape", lambda: dist.all_reduce(torch.ones(n, device=DEV))),
@@ -331,6 +341,7 @@ def scenario_mismatch():
 
 def scenario_dead_rank():
     init(timeout=float(os.environ.get("DIST_TIMEOUT", "10")))
+    transport = _expect_transport()
     t = torch.ones(1 << 16, device=DEV)
     dist.all_reduce(t)
     if RANK == WORLD - 1:
@@ -342,7 +353,10 @@ def scenario_dead_rank():
     except RuntimeError as e:
         elapsed = time.monotonic() - t0
         assert "neuron backend" in str(e) and "rank" in str(e), str(e)
-        print(f"survivor error after {elapsed:.1f}s: {str(e)[:200]}")
+        assert "a peer rank died or closed its connection" in str(e), str(e)
+        if transport == "shm":
+            assert f"group rank(s) {WORLD - 1} exited" in str(e), str(e)
+        print(f"survivor error after {elapsed:.1f}s: {str(e)[:300]}")
         assert elapsed < 15, elapsed
         os._exit(0)
     raise AssertionError("no error although a rank died")
@@ -351,21 +365,189 @@ def scenario_dead_rank():
 def scenario_never_arrives():
     timeout = float(os.environ.get("DIST_TIMEOUT", "4"))
     init(timeout=timeout)
+    transport = _expect_transport()
     t = torch.ones(8, device=DEV)
     dist.all_reduce(t)
     if RANK == WORLD - 1:
-        time.sleep(timeout * 3)  # never calls the next collective in time
+        time.sleep(timeout + 4)  # never calls the next collective in time (and exits after)
         os._exit(0)
     t0 = time.monotonic()
     try:
         dist.all_reduce(t)
     except RuntimeError as e:
         elapsed = time.monotonic() - t0
-        assert "timed out" in str(e), str(e)
-        assert elapsed < timeout + 5, elapsed
-        print(f"timeout error after {elapsed:.1f}s: {str(e)[:200]}")
+        assert f"timed out after {timeout:g}s" in str(e), str(e)
+        if transport == "shm":
+            assert f"group rank(s) {WORLD - 1} did not reach collective #2" in str(e), str(e)
+        assert timeout - 0.5 < elapsed < timeout + 5, elapsed
+        print(f"timeout error after {elapsed:.1f}s: {str(e)[:300]}")
         os._exit(0)
     raise AssertionError("no timeout error")
+
+
+def _agreement_files() -> list:
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith("torch_neuronx_agree_"))
+
+
+def scenario_shm_groups():
+    """Subgroups and several groups at once on the shared-memory agreement: results, a
+    group with a rank that cannot map the segment, a mismatch inside a subgroup, back-to-back
+    async collectives with ranks running at different speeds, a peer dying inside a
+    subgroup."""
+    import random
+    init(timeout=20)
+    _expect_transport()
+    g01, g23, g123 = (dist.new_group(r) for r in ([0, 1], [2, 3], [1, 2, 3]))
+    mine = [g for g, members in ((g01, (0, 1)), (g23, (2, 3)), (g123, (1, 2, 3))) if RANK in members]
+    for g in mine:
+        assert g.check_transport == "shm", g.check_transport
+    # the segment is unlinked once every rank mapped it: nothing is left in /dev/shm
+    dist.barrier()
+    leftovers = [f for f in _agreement_files() if f.split("_")[3] == str(os.getpid())]
+    assert not leftovers, leftovers
+
+    # a rank that cannot map rank 0's segment (as when it runs on another host) makes the
+    # whole group agree over gloo
+    from torch_neuronx.distributed import shm_agreement
+    real_attach = shm_agreement._attach
+    if RANK == 2:
+        shm_agreement._attach = lambda *args: (None, None)
+    spread = dist.new_group()
+    shm_agreement._attach = real_attach
+    assert spread.check_transport == "gloo", spread.check_transport
+    t = torch.full((3,), float(RANK), device=DEV)
+    dist.all_reduce(t, group=spread)
+    close(t, torch.full((3,), 6.0), what="group agreeing over gloo")
+
+    # several groups at once, in the same order on every rank
+    pair = g01 if RANK < 2 else g23
+    for step in range(20):
+        t = torch.full((5,), float(RANK + step), device=DEV)
+        dist.all_reduce(t, group=pair)
+        base = 0 if RANK < 2 else 2
+        close(t, torch.full((5,), float(2 * base + 1 + 2 * step)), what=f"pair step {step}")
+        if RANK in (1, 2, 3):
+            u = torch.full((3,), float(RANK * step), device=DEV)
+            dist.all_reduce(u, op=dist.ReduceOp.MAX, group=g123)
+            close(u, torch.full((3,), float(3 * step)), what=f"g123 step {step}")
+        w = torch.full((2,), float(RANK), device=DEV)
+        dist.all_reduce(w)
+        close(w, torch.full((2,), 6.0), what=f"world step {step}")
+
+    # a mismatch inside a subgroup fails on its members only, with the subgroup's name
+    if RANK in (1, 2, 3):
+        try:
+            dist.all_reduce(torch.ones(4 if RANK != 2 else 6, device=DEV), group=g123)
+        except RuntimeError as e:
+            assert "mismatched" in str(e) and g123.group_name in str(e), str(e)
+            assert "rank 1: all_reduce(float32[6]|SUM)" in str(e), str(e)
+            print("subgroup mismatch ->", str(e)[:200])
+        else:
+            raise AssertionError("subgroup mismatch not detected")
+        v = torch.ones(2, device=DEV)
+        dist.all_reduce(v, group=g123)
+        close(v, torch.full((2,), 3.0), what="g123 after its mismatch")
+
+    # back-to-back async collectives, each rank issuing at its own pace; the split sizes of
+    # all_to_all_single travel with the agreement entries, so ring slots carry payloads of
+    # different lengths
+    rng = random.Random(RANK)
+    works, checks = [], []
+    for i in range(40):
+        time.sleep(rng.random() * 0.004)
+        kind = i % 3
+        if kind == 0:
+            t = torch.full((64 + i,), float(RANK + i), device=DEV)
+            works.append(dist.all_reduce(t, async_op=True))
+            checks.append((t, torch.full((64 + i,), float(6 + 4 * i)), f"async all_reduce {i}"))
+        elif kind == 1:
+            out = torch.empty(WORLD * 3, device=DEV)
+            works.append(dist.all_gather_into_tensor(out, torch.full((3,), float(i * 10 + RANK),
+                                                                     device=DEV), async_op=True))
+            ref = torch.tensor([float(i * 10 + r) for r in range(WORLD) for _ in range(3)])
+            checks.append((out, ref, f"async all_gather {i}"))
+        else:
+            # rank r sends r + 1 rows to every peer
+            ins = torch.full((WORLD * (RANK + 1),), float(100 * RANK + i), device=DEV)
+            out = torch.empty(sum(r + 1 for r in range(WORLD)), device=DEV)
+            works.append(dist.all_to_all_single(out, ins, [r + 1 for r in range(WORLD)],
+                                                [RANK + 1] * WORLD, async_op=True))
+            ref = torch.cat([torch.full((r + 1,), float(100 * r + i)) for r in range(WORLD)])
+            checks.append((out, ref, f"async all_to_all_single {i}"))
+    for w in works:
+        w.wait()
+    for got, ref, what in checks:
+        close(got, ref, what=what)
+    # a mismatch between async collectives: the pending ones still complete
+    first = torch.ones(8, device=DEV)
+    w1 = dist.all_reduce(first, async_op=True)
+    try:
+        dist.all_reduce(torch.ones(8, device=DEV), op=dist.ReduceOp.MAX if RANK == 3 else dist.ReduceOp.SUM,
+                        async_op=True)
+    except RuntimeError as e:
+        assert "mismatched" in str(e) and "rank 3: all_reduce(float32[8]|MAX)" in str(e), str(e)
+    else:
+        raise AssertionError("reduce op mismatch not detected")
+    last = torch.ones(8, device=DEV)
+    w3 = dist.all_reduce(last, async_op=True)
+    w1.wait()
+    w3.wait()
+    close(first, torch.full((8,), 4.0), what="async before the mismatch")
+    close(last, torch.full((8,), 4.0), what="async after the mismatch")
+    print("async ok", RANK, flush=True)
+
+    # a peer of a subgroup dies: its other members name it by group and global rank
+    dist.barrier()
+    if RANK == 3:
+        os._exit(0)
+    if RANK in (1, 2):
+        t0 = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(2, device=DEV), group=g123)
+        except RuntimeError as e:
+            assert "died or closed its connection" in str(e), str(e)
+            assert "group rank(s) 2 (global rank 3) exited" in str(e), str(e)
+            assert time.monotonic() - t0 < 5, time.monotonic() - t0
+            print("subgroup dead peer ->", str(e)[:300])
+        else:
+            raise AssertionError("dead subgroup peer not detected")
+    os._exit(0)
+
+
+def scenario_shm_ring():
+    """The ring directly: ranks at random paces exchange thousands of entries (with payloads
+    of varying length) and each must see exactly every peer's entry of that sequence number;
+    a published entry whose payload does not match its tag (a torn write) is not taken."""
+    import random
+    from torch_neuronx.distributed import shm_agreement as shm
+    init(timeout=20)
+    g = dist.new_group()
+    slots = g._slots
+    assert slots is not None
+    rng = random.Random(RANK)
+    for seq in range(1, 3001):
+        if rng.random() < 0.02:
+            time.sleep(rng.random() * 0.003)
+        fp = (seq * 2654435761) & ((1 << 56) - 1)
+        extra = [seq, RANK] * (seq % (WORLD + 1))
+        got = slots.exchange(seq, fp, extra, 20.0)
+        for q, (f, ex) in enumerate(got):
+            assert f == fp and ex == [seq, q] * (seq % (WORLD + 1)), (seq, q, f, ex)
+    seq = 3001
+    if RANK == 1:
+        off = slots._offset(1, seq % 2)
+        # a payload that belongs to no published entry, under the right sequence number
+        shm._payload(0).pack_into(slots._mm, off + 8, 7, 12345)
+        shm._HDR.pack_into(slots._mm, off, seq, 0)
+        time.sleep(0.3)
+    t0 = time.monotonic()
+    got = slots.exchange(seq, 99, [], 20.0)
+    assert [f for f, _ in got] == [99] * WORLD, got
+    if RANK == 0:
+        assert time.monotonic() - t0 > 0.2, "took the torn entry"
+    dist.destroy_process_group()
+    assert g._slots is None
+    print("ring ok", RANK)
 
 
 def scenario_too_many():

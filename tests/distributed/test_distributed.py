@@ -32,26 +32,58 @@ def test_collectives(nproc):
     assert all("ok" in o for _, o in out)
 
 
-def test_mismatch_and_wrong_device_errors():
-    out = _launch.run("mismatch", 2, timeout=120)
+# The peer agreement runs over shared memory on one host ("1", the default) and as a gloo
+# round trip when ranks span hosts ("gloo" forces that here).
+CHECK_TRANSPORTS = pytest.mark.parametrize("check", ["1", "gloo"])
+
+
+def _agreement_files() -> set:
+    return {f for f in os.listdir("/dev/shm") if f.startswith("torch_neuronx_agree_")}
+
+
+@CHECK_TRANSPORTS
+def test_mismatch_and_wrong_device_errors(check):
+    out = _launch.run("mismatch", 2, timeout=120, env={"TORCH_NEURONX_DIST_CHECK": check})
     for _, o in out:
         for what in ("shape", "dtype", "op", "all_gather", "splits"):
             assert f"{what} ->" in o, o
 
 
-def test_dead_rank_errors_on_survivor():
+@CHECK_TRANSPORTS
+def test_dead_rank_errors_on_survivor(check):
     t0 = time.monotonic()
-    out = _launch.run("dead_rank", 2, timeout=90, env={"DIST_TIMEOUT": "10"}, expect_fail=True)
+    out = _launch.run("dead_rank", 2, timeout=90, expect_fail=True,
+                      env={"DIST_TIMEOUT": "10", "TORCH_NEURONX_DIST_CHECK": check})
     assert out[0][0] == 0, out[0][1][-3000:]
     assert "survivor error" in out[0][1]
     assert out[1][0] == 3
     assert time.monotonic() - t0 < 80
 
 
-def test_rank_that_never_arrives_times_out():
-    out = _launch.run("never_arrives", 2, timeout=90, env={"DIST_TIMEOUT": "4"}, expect_fail=True)
+@CHECK_TRANSPORTS
+def test_rank_that_never_arrives_times_out(check):
+    out = _launch.run("never_arrives", 2, timeout=90, expect_fail=True,
+                      env={"DIST_TIMEOUT": "4", "TORCH_NEURONX_DIST_CHECK": check})
     assert out[0][0] == 0, out[0][1][-3000:]
     assert "timeout error" in out[0][1]
+
+
+def test_shared_memory_agreement_subgroups_async_and_dead_peer():
+    before = _agreement_files()
+    out = _launch.run("shm_groups", 4, timeout=180)
+    for r, (_, o) in enumerate(out):
+        assert "async ok" in o, o[-3000:]
+        if r in (1, 2, 3):
+            assert "subgroup mismatch ->" in o, o[-3000:]
+        if r in (1, 2):
+            assert "subgroup dead peer ->" in o, o[-3000:]
+    # ranks exited without destroy_process_group: still nothing left behind
+    assert _agreement_files() <= before
+
+
+def test_shared_memory_agreement_ring():
+    out = _launch.run("shm_ring", 3, timeout=120)
+    assert all("ring ok" in o for _, o in out)
 
 
 def test_more_ranks_than_cores_is_a_clear_error():

@@ -17,10 +17,12 @@ collective's outputs are complete when its work's ``wait()`` (or its future) ret
 ``work.wait()`` makes the current stream wait on the communication stream.
 
 Safety: unless ``TORCH_NEURONX_DIST_CHECK=0``, every collective first agrees with its peers on
-a fingerprint of (op, dtype, shape, root, reduce op) through a 16-byte gloo all-reduce, so
-ranks that disagree get the same clear error, naming each rank's call, instead of a hang or
-gloo's size assertion. A rank that dies or never arrives surfaces as an error on the survivors
-within the group's timeout (gloo's timeout), re-raised with the op, rank and group named.
+a fingerprint of (op, dtype, shape, root, reduce op), so ranks that disagree get the same
+clear error, naming each rank's call, instead of a hang or gloo's size assertion (which can
+kill a rank). The agreement runs through shared memory when every rank of the group is on
+this host (``shm_agreement``), else (or with ``TORCH_NEURONX_DIST_CHECK=gloo``) as a 16-byte
+gloo all-reduce. A rank that dies or never arrives surfaces as an error on the survivors
+within the group's timeout, with the op, rank and group named.
 """
 from __future__ import annotations
 
@@ -28,21 +30,26 @@ import hashlib
 import math
 import os
 import threading
+import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
-from . import collectives_model
+from . import collectives_model, shm_agreement
 
 ReduceOp = dist.ReduceOp
 _RED = ReduceOp.RedOpType
+_SUM, _AVG, _PREMUL_SUM = int(_RED.SUM), int(_RED.AVG), int(_RED.PREMUL_SUM)
+_BITWISE = {int(_RED.BAND), int(_RED.BOR), int(_RED.BXOR)}
+_GLOO_REDUCTIONS = {int(_RED.PRODUCT), int(_RED.MIN), int(_RED.MAX)} | _BITWISE
 
 # dtypes gloo reduces (and moves); other dtypes are moved as bytes and cannot be reduced.
 _GLOO_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
                 torch.uint8, torch.int32, torch.int64, torch.bool}
 _INFINITE = timedelta(milliseconds=-1)
+_FINGERPRINTS: dict = {}   # call description -> its 56-bit hash, for the peer agreement
 
 
 def _find_runtime_alias():
@@ -69,13 +76,25 @@ def _cpu_alias(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype).set_(cpu_storage, t.storage_offset(), t.size(), t.stride())
 
 
+# Names by dtype and by reduce-op value: each collective describes its call for the peer
+# agreement, and str() of torch's enums costs more than the rest of that description.
+_DTYPE_NAMES: dict = {}
+_RED_NAMES = {int(k): str(k).rsplit(".", 1)[-1] for k in _RED.__members__.values()}
+
+
 def _describe(t: torch.Tensor) -> str:
-    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+    name = _DTYPE_NAMES.get(t.dtype)
+    if name is None:
+        name = _DTYPE_NAMES[t.dtype] = str(t.dtype).replace("torch.", "")
+    return f"{name}{list(t.shape)}"
+
+
+def _red_kind(op) -> int:
+    return int(op.op if isinstance(op, ReduceOp) else op)
 
 
 def _red_name(op) -> str:
-    kind = op.op if isinstance(op, ReduceOp) else op
-    return str(kind).rsplit(".", 1)[-1]
+    return _RED_NAMES[_red_kind(op)]
 
 
 class _Host:
@@ -209,10 +228,22 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._group_desc = ""
         self._global_ranks = list(global_ranks) if global_ranks else list(range(size))
         self._device_index = torch.neuron.current_device()
-        self._check = os.environ.get("TORCH_NEURONX_DIST_CHECK", "1") != "0"
+        mode = os.environ.get("TORCH_NEURONX_DIST_CHECK", "1")
+        if mode not in ("0", "1", "gloo"):
+            raise ValueError(f"TORCH_NEURONX_DIST_CHECK={mode!r}: expected 0 (no peer agreement "
+                             "check), 1 (shared memory when the group's ranks share a host, else "
+                             "a gloo round trip) or gloo (always the gloo round trip)")
+        self._check = mode != "0" and size > 1
+        self._slots = None
+        if self._check and mode == "1" and shm_agreement.available():
+            self._slots = shm_agreement.SharedSlots.negotiate(self._gloo, rank, size)
+        # how this group agrees before each collective: "off", "shm" or "gloo"
+        self.check_transport = ("off" if not self._check else
+                                "shm" if self._slots is not None else "gloo")
         self._seq = 0
         self._coalesced = None
         self._nodes = self._count_nodes()
+        self._modelled = {}   # (op, bytes) -> modelled seconds
 
     # --- identity -------------------------------------------------------------------------
     def getBackendName(self) -> str:
@@ -292,28 +323,30 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
         ``extra`` (int list, same length on every rank) is gathered too and returned per rank.
         """
-        if not self._check or self.size() == 1:
+        if not self._check:
             return None
         self._seq += 1
-        h = int.from_bytes(hashlib.blake2b(f"{op}|{signature}".encode(), digest_size=7).digest(), "little")
-        try:
-            if extra is None:
-                t = torch.tensor([h, -h], dtype=torch.int64)
-                opts = _c10d.AllreduceOptions()
-                opts.reduceOp = ReduceOp.MAX
-                self._gloo.allreduce([t], opts).wait()
-                if int(t[0]) == -int(t[1]):
-                    return None
-                gathered = None
-            else:
-                mine = torch.tensor([h] + list(extra), dtype=torch.int64)
-                outs = [torch.empty_like(mine) for _ in range(self.size())]
-                self._gloo.allgather([outs], [mine]).wait()
-                gathered = [o.tolist() for o in outs]
-                if all(g[0] == h for g in gathered):
-                    return [g[1:] for g in gathered]
-        except RuntimeError as e:
-            raise self._comm_error(op, e) from e
+        call = f"{op}|{signature}"
+        h = _FINGERPRINTS.get(call)
+        if h is None:
+            h = int.from_bytes(hashlib.blake2b(call.encode(), digest_size=7).digest(), "little")
+            if len(_FINGERPRINTS) < 4096:   # a training loop repeats a few dozen calls
+                _FINGERPRINTS[call] = h
+        if self._slots is not None:
+            try:
+                entries = self._slots.exchange(self._seq, h, extra or (),
+                                               self._timeout.total_seconds())
+            except shm_agreement.PeerMissing as e:
+                raise self._missing_error(op, e) from e
+            agreed = all(fp == h for fp, _ in entries)
+            gathered = [ex for _, ex in entries]
+        else:
+            try:
+                agreed, gathered = self._verify_gloo(h, extra)
+            except RuntimeError as e:
+                raise self._comm_error(op, e) from e
+        if agreed:
+            return None if extra is None else gathered
         # Disagreement: every rank reaches this point, so exchanging the descriptions is safe.
         desc = f"{op}({signature})".encode()[:255]
         buf = torch.zeros(256, dtype=torch.uint8)
@@ -327,28 +360,61 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             f"with mismatched arguments (every rank must call the same collective with the same "
             f"dtype and shape): {lines}")
 
+    def _verify_gloo(self, h: int, extra) -> tuple:
+        """The agreement as a gloo round trip: (whether every fingerprint equals ``h``,
+        every rank's ``extra`` or None without it)."""
+        if extra is None:
+            # max(h) == -max(-h) exactly when every rank's h is the same
+            t = torch.tensor([h, -h], dtype=torch.int64)
+            opts = _c10d.AllreduceOptions()
+            opts.reduceOp = ReduceOp.MAX
+            self._gloo.allreduce([t], opts).wait()
+            return int(t[0]) == -int(t[1]), None
+        mine = torch.tensor([h] + list(extra), dtype=torch.int64)
+        outs = [torch.empty_like(mine) for _ in range(self.size())]
+        self._gloo.allgather([outs], [mine]).wait()
+        gathered = [o.tolist() for o in outs]
+        return all(g[0] == h for g in gathered), [g[1:] for g in gathered]
+
+    def _why(self, timed_out: bool) -> str:
+        if timed_out:
+            return (f"timed out after {self._timeout.total_seconds():g}s: a peer rank never "
+                    "arrived at this collective (it hung, skipped it, or died)")
+        return "a peer rank died or closed its connection"
+
     def _comm_error(self, op: str, e: Exception) -> RuntimeError:
         msg = str(e)
         low = msg.lower()
         if "timed out" in low or "timeout" in low:
-            why = (f"timed out after {self._timeout.total_seconds():g}s: a peer rank never "
-                   "arrived at this collective (it hung, skipped it, or died)")
+            why = self._why(True)
         elif "closed" in low or "reset" in low or "broken pipe" in low or "connection" in low:
-            why = "a peer rank died or closed its connection"
+            why = self._why(False)
         else:
             why = "the communication failed"
-        err = RuntimeError(f"neuron backend: {op} on rank {self.rank()} of group "
-                           f"{self._group_name!r} (size {self.size()}): {why} [{msg}]")
-        return err
+        return RuntimeError(f"neuron backend: {op} on rank {self.rank()} of group "
+                            f"{self._group_name!r} (size {self.size()}): {why} [{msg}]")
+
+    def _missing_error(self, op: str, e: shm_agreement.PeerMissing) -> RuntimeError:
+        ranks = ", ".join(str(q) if self._global_ranks[q] == q else
+                          f"{q} (global rank {self._global_ranks[q]})" for q in e.ranks)
+        what = ("exited or left the group before reaching" if e.dead else "did not reach")
+        return RuntimeError(f"neuron backend: {op} on rank {self.rank()} of group "
+                            f"{self._group_name!r} (size {self.size()}): {self._why(not e.dead)} "
+                            f"[group rank(s) {ranks} {what} collective #{e.seq}]")
 
     # --- helpers --------------------------------------------------------------------------
     def _model(self, kind: str, op: str, nbytes: int) -> None:
         if kind != "neuron":
             return
-        from .. import _state, cost_model
-        cfg = _state.config()
-        seconds = collectives_model.collective_seconds(op, nbytes, self.size(), self._nodes,
-                                                       cfg.profile, cfg.lnc)
+        from .. import cost_model
+        seconds = self._modelled.get((op, nbytes))
+        if seconds is None:
+            from .. import _state
+            cfg = _state.config()   # read once per process: the cached times stay valid
+            seconds = collectives_model.collective_seconds(op, nbytes, self.size(), self._nodes,
+                                                           cfg.profile, cfg.lnc)
+            if len(self._modelled) < 4096:
+                self._modelled[(op, nbytes)] = seconds
         cost_model._add_time(self._device_index, f"c10d::{op}", seconds, engine="collective",
                              link_bytes=nbytes)
 
@@ -365,8 +431,10 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         if dtype not in _GLOO_DTYPES:
             raise TypeError(f"neuron backend: {op} cannot reduce dtype {dtype}; reduce in "
                             "float32/bfloat16/float16/float64 or an integer dtype")
-        kind = red.op if isinstance(red, ReduceOp) else red
-        if kind == _RED.AVG:
+        kind = _red_kind(red)
+        if kind == _SUM:
+            return ReduceOp.SUM, inputs
+        if kind == _AVG:
             size = self.size()
             for o in outputs:
                 if o.is_floating_point():
@@ -374,7 +442,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                 else:
                     host.fixups.append(lambda o=o: o.div_(size, rounding_mode="trunc"))
             return ReduceOp.SUM, inputs
-        if kind == _RED.PREMUL_SUM:
+        if kind == _PREMUL_SUM:
             factor = red.factor
             if isinstance(factor, torch.Tensor):
                 factor = factor.to("cpu")
@@ -383,11 +451,11 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                     i.mul_(factor)
                 return ReduceOp.SUM, inputs
             return ReduceOp.SUM, [i * factor for i in inputs]
-        if kind in (_RED.SUM, _RED.PRODUCT, _RED.MIN, _RED.MAX, _RED.BAND, _RED.BOR, _RED.BXOR):
-            if kind in (_RED.BAND, _RED.BOR, _RED.BXOR) and dtype.is_floating_point:
+        if kind in _GLOO_REDUCTIONS:
+            if kind in _BITWISE and dtype.is_floating_point:
                 raise TypeError(f"neuron backend: {op} with {_red_name(kind)} needs an integer or "
                                 f"bool tensor, got {dtype}")
-            return ReduceOp(kind), inputs
+            return ReduceOp(_RED(kind)), inputs
         raise ValueError(f"neuron backend: {op} does not support reduce op {red}")
 
     @staticmethod
@@ -409,12 +477,14 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             opts = self._opts(_c10d.AllreduceOptions, None, reduceOp=ReduceOp(opts) if isinstance(opts, _RED) else opts)
         kind = self._check_tensors("all_reduce", tensors)
         red = opts.reduceOp
-        self._verify("all_reduce", ",".join(_describe(t) for t in tensors) + f"|{_red_name(red)}")
+        # host views first: a rank that waits in the agreement issues right after it returns
         host = _Host()
         hs = [host.get(t, write=True) for t in tensors]
+        self._verify("all_reduce", ",".join(_describe(t) for t in tensors) + f"|{_red_name(red)}")
         gred, hs = self._reduce_setup("all_reduce", red, tensors[0].dtype, host, hs, hs, True)
-        works = [self._gloo.allreduce([h], self._opts(_c10d.AllreduceOptions, opts, reduceOp=gred))
-                 for h in hs]
+        if _red_kind(red) in (_AVG, _PREMUL_SUM):
+            opts = self._opts(_c10d.AllreduceOptions, opts, reduceOp=gred)
+        works = [self._gloo.allreduce([h], opts) for h in hs]
         self._model(kind, "all_reduce", sum(t.nbytes for t in tensors))
         return self._work("all_reduce", works, list(tensors), host)
 
@@ -745,10 +815,24 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     # --- lifetime -------------------------------------------------------------------------
     def abort(self) -> None:
+        self._close_slots()
         self._gloo.abort()
 
     def shutdown(self) -> None:
+        self._close_slots()
         self._gloo.shutdown()
+        # After a synchronous collective Python drops its work at once, so the gloo worker
+        # that ran it may hold the last reference and release the tensors itself, which
+        # takes the GIL (torch keeps a tensor's Python object alive while C++ holds the
+        # tensor). If the interpreter finalizes first, that worker exits inside a noexcept
+        # destructor and the process aborts ("terminate called without an active
+        # exception"). Sleeping releases the GIL, so a waiting worker finishes now.
+        time.sleep(0.005)
+
+    def _close_slots(self) -> None:
+        if self._slots is not None:
+            self._slots.close()
+            self._slots = None
 
 
 class _Combined(_NeuronWork):
