@@ -44,6 +44,7 @@ constexpr int64_t kGrain = at::internal::GRAIN_SIZE;
 
 struct Window {
   std::mutex mu;
+  std::atomic<bool> held{false};  // ops waiting: lets every launch and wait skip the lock
   std::vector<Op> ops;
   int64_t stream = 0;
   std::vector<int64_t> shape;
@@ -221,6 +222,7 @@ void flush_locked(c10::DeviceIndex d, Window& w) {
   if (w.ops.empty()) return;
   std::vector<Op> ops;
   ops.swap(w.ops);
+  w.held.store(false, std::memory_order_relaxed);
   g_kernels.fetch_add(1);
   if (ops.size() == 1) {
     Op& op = ops.front();
@@ -305,38 +307,45 @@ void count_launch() {
   g_kernels.fetch_add(1, std::memory_order_relaxed);
 }
 
+namespace {
+
+// Two operands over overlapping memory that are not the same tensor would break the
+// element-by-element independence chunking relies on.
+bool overlaps(const std::vector<Op>& held, const Op& op) {
+  auto device_tensor = [](const IValue& v) {
+    return v.isTensor() && v.toTensor().defined() && v.toTensor().device().type() == kDevice;
+  };
+  for (const auto& a : op.args) {
+    if (!device_tensor(a)) continue;
+    const at::Tensor& x = a.toTensor();
+    for (const auto& h : held) {
+      for (const auto& b : h.args) {
+        if (!device_tensor(b)) continue;
+        const at::Tensor& y = b.toTensor();
+        if (x.storage().data() == y.storage().data() &&
+            (address(x) != address(y) || x.element_size() != y.element_size())) {
+          return true;
+        }
+      }
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
 void append(c10::DeviceIndex d, int64_t stream, Op op) {
   g_ops.fetch_add(1, std::memory_order_relaxed);
   Window& w = g_windows[d];
   std::lock_guard<std::mutex> g(w.mu);
-  if (!w.ops.empty() && (w.stream != stream || w.shape != op.shape || w.ops.size() >= kMaxWindow)) {
+  if (!w.ops.empty() &&
+      (w.stream != stream || w.shape != op.shape || overlaps(w.ops, op))) {
     flush_locked(d, w);
   }
   if (w.ops.empty()) {
     w.stream = stream;
     w.shape = op.shape;
-  }
-  // Two tensors over overlapping memory that are not the same tensor would break the
-  // element-by-element independence chunking relies on: close the window before such an op.
-  for (const auto& held : w.ops) {
-    for (const auto& a : op.args) {
-      if (!a.isTensor() || !a.toTensor().defined() || a.toTensor().device().type() != kDevice) continue;
-      for (const auto& b : held.args) {
-        if (!b.isTensor() || !b.toTensor().defined() || b.toTensor().device().type() != kDevice) continue;
-        const auto& x = a.toTensor();
-        const auto& y = b.toTensor();
-        if (x.storage().data() == y.storage().data() &&
-            (address(x) != address(y) || x.element_size() != y.element_size())) {
-          flush_locked(d, w);
-          goto appended;
-        }
-      }
-    }
-  }
-appended:
-  if (w.ops.empty()) {
-    w.stream = stream;
-    w.shape = op.shape;
+    w.held.store(true, std::memory_order_relaxed);
   }
   w.ops.push_back(std::move(op));
   if (w.ops.size() >= kMaxWindow) flush_locked(d, w);
@@ -344,6 +353,7 @@ appended:
 
 void flush(c10::DeviceIndex d) {
   Window& w = g_windows[d];
+  if (!w.held.load(std::memory_order_relaxed)) return;
   std::lock_guard<std::mutex> g(w.mu);
   flush_locked(d, w);
 }

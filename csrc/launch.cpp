@@ -289,23 +289,30 @@ at::Tensor meta_like(const at::Tensor& t) {
                                                                    t.storage_offset());
 }
 
-IValue to_meta(const IValue& v) {
-  if (v.isTensor()) {
-    const auto& t = v.toTensor();
-    return t.defined() && t.device().type() == kDevice ? IValue(meta_like(t)) : v;
-  }
-  if (v.isDevice() && v.toDevice().type() == kDevice) return IValue(c10::Device(c10::kMeta));
+// `v` with every tensor replaced by `f(tensor)`, through tensor lists and optional-tensor
+// lists; a neuron device argument becomes `device`.
+template <class F>
+IValue map_tensors(const IValue& v, F&& f, c10::Device device) {
+  if (v.isTensor()) return v.toTensor().defined() ? IValue(f(v.toTensor())) : v;
+  if (v.isDevice() && v.toDevice().type() == kDevice) return IValue(device);
   if (v.isTensorList()) {
     c10::List<at::Tensor> out;
-    for (const at::Tensor& t : v.toTensorList()) out.push_back(t.device().type() == kDevice ? meta_like(t) : t);
+    out.reserve(v.toTensorList().size());
+    for (const at::Tensor& t : v.toTensorList()) out.push_back(t.defined() ? f(t) : t);
     return out;
   }
   if (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList()) {
     auto list = v.toList().copy();
-    for (size_t k = 0; k < list.size(); ++k) list.set(k, to_meta(list.get(k)));
+    for (size_t k = 0; k < list.size(); ++k) list.set(k, map_tensors(list.get(k), f, device));
     return list;
   }
   return v;
+}
+
+IValue to_meta(const IValue& v) {
+  return map_tensors(v, [](const at::Tensor& t) {
+    return t.device().type() == kDevice ? meta_like(t) : t;
+  }, c10::Device(c10::kMeta));
 }
 
 // Runs the op's Meta kernel to learn its outputs; nullopt when it can't be queued.
@@ -374,25 +381,9 @@ at::Tensor snapshot_cpu_scalar(const at::Tensor& t) {
 // Host-side copy of one argument for the queued kernel: device tensors become CPU aliases
 // of their memory as it is now (later metadata changes on the host don't reach the kernel).
 IValue to_kernel_arg(const IValue& v) {
-  if (v.isTensor()) {
-    const auto& t = v.toTensor();
-    if (!t.defined()) return v;
-    if (t.device().type() == kDevice) return cpu_alias(t);
-    return snapshot_cpu_scalar(t);
-  }
-  if (v.isDevice() && v.toDevice().type() == kDevice) return IValue(c10::Device(c10::kCPU));
-  if (v.isTensorList()) {
-    c10::List<at::Tensor> out;
-    out.reserve(v.toTensorList().size());
-    for (const at::Tensor& t : v.toTensorList()) out.push_back(to_kernel_arg(t).toTensor());
-    return out;
-  }
-  if (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList()) {
-    auto list = v.toList().copy();
-    for (size_t k = 0; k < list.size(); ++k) list.set(k, to_kernel_arg(list.get(k)));
-    return list;
-  }
-  return v;
+  return map_tensors(v, [](const at::Tensor& t) {
+    return t.device().type() == kDevice ? cpu_alias(t) : snapshot_cpu_scalar(t);
+  }, c10::Device(c10::kCPU));
 }
 
 }  // namespace

@@ -190,15 +190,7 @@ class DeviceQueue {
       Item it;
       {
         std::unique_lock<std::mutex> lk(mu_);
-        if (last) {
-          finished_.push_back(std::move(last));
-          last = nullptr;
-          done_.store(last_seq, std::memory_order_release);
-          if (waiters_) {
-            done_cv_.notify_all();
-            room_.notify_all();
-          }
-        }
+        if (last) hand_back_locked(last, last_seq);
         if (items_.empty()) {
           lk.unlock();
           // Launches come in bursts: spin briefly before sleeping so a burst is not
@@ -243,14 +235,19 @@ class DeviceQueue {
       last_seq = it.seq;
       if (queued_.load(std::memory_order_acquire) == 0) {
         std::lock_guard<std::mutex> g(mu_);
-        finished_.push_back(std::move(last));
-        last = nullptr;
-        done_.store(last_seq, std::memory_order_release);
-        if (waiters_) {
-          done_cv_.notify_all();
-          room_.notify_all();
-        }
+        hand_back_locked(last, last_seq);
       }
+    }
+  }
+
+  // Marks work `seq` done and gives what it held to the host; wakes a waiting host.
+  void hand_back_locked(std::function<void()>& run, uint64_t seq) {
+    finished_.push_back(std::move(run));
+    run = nullptr;
+    done_.store(seq, std::memory_order_release);
+    if (waiters_) {
+      done_cv_.notify_all();
+      room_.notify_all();
     }
   }
 
