@@ -711,15 +711,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._check_root("gather", root)
         flat_out = [t for lst in output_lists for t in lst]
         kind = self._check_tensors("gather", list(inputs) + flat_out)
-        if self.rank() == root:
-            for lst in output_lists:
-                self._check_list_len("gather", lst)
-                for o in lst:
-                    if o.shape != inputs[0].shape or o.dtype != inputs[0].dtype:
-                        raise ValueError(f"neuron backend: gather output {_describe(o)} does not "
-                                         f"match the input {_describe(inputs[0])}")
-        elif flat_out:
-            raise ValueError(f"neuron backend: gather: only the root (rank {root}) passes a gather_list")
+        self._check_root_lists("gather", root, output_lists, flat_out, inputs[0], "output", "input")
         self._verify("gather", ",".join(_describe(t) for t in inputs) + f"|root={root}")
         host = _Host()
         raw = inputs[0].dtype not in _GLOO_DTYPES
@@ -735,15 +727,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._check_root("scatter", root)
         flat_in = [t for lst in input_lists for t in lst]
         kind = self._check_tensors("scatter", list(outputs) + flat_in)
-        if self.rank() == root:
-            for lst in input_lists:
-                self._check_list_len("scatter", lst)
-                for t in lst:
-                    if t.shape != outputs[0].shape or t.dtype != outputs[0].dtype:
-                        raise ValueError(f"neuron backend: scatter input {_describe(t)} does not "
-                                         f"match the output {_describe(outputs[0])}")
-        elif flat_in:
-            raise ValueError(f"neuron backend: scatter: only the root (rank {root}) passes a scatter_list")
+        self._check_root_lists("scatter", root, input_lists, flat_in, outputs[0], "input", "output")
         self._verify("scatter", ",".join(_describe(t) for t in outputs) + f"|root={root}")
         host = _Host()
         raw = outputs[0].dtype not in _GLOO_DTYPES
@@ -807,6 +791,20 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         if not 0 <= peer < self.size():
             raise ValueError(f"neuron backend: {op} peer rank {peer} is not in group "
                              f"{self._group_name!r} of size {self.size()}")
+
+    def _check_root_lists(self, op: str, root: int, lists, flat, like, role: str, other: str) -> None:
+        # gather/scatter: only the root passes the per-rank list, whose tensors match `like`.
+        if self.rank() != root:
+            if flat:
+                raise ValueError(f"neuron backend: {op}: only the root (rank {root}) passes a "
+                                 f"{op}_list")
+            return
+        for lst in lists:
+            self._check_list_len(op, lst)
+            for t in lst:
+                if t.shape != like.shape or t.dtype != like.dtype:
+                    raise ValueError(f"neuron backend: {op} {role} {_describe(t)} does not "
+                                     f"match the {other} {_describe(like)}")
 
     def _check_list_len(self, op: str, lst) -> None:
         if len(lst) != self.size():
