@@ -163,19 +163,16 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     return done;
   }
   void synchronizeStream(const c10::Stream& s) const override {
-    timeline_barrier(s.device_index());
     queue::synchronize_stream(s.device_index(), s.id());
     if (check::enabled()) check::on_stream_sync(s.device_index(), s.id());
   }
   void synchronizeEvent(void* event) const override {
     if (!event) return;
     auto* e = static_cast<Event*>(event);
-    timeline_barrier(e->device);
     if (e->device >= 0) queue::wait_for(e->device, e->seq);
     if (check::enabled()) check::on_event_sync(event);
   }
   void synchronizeDevice(const c10::DeviceIndex d) const override {
-    timeline_barrier(d < 0 ? current_device() : d);
     queue::synchronize(d < 0 ? current_device() : d);
     if (check::enabled()) check::on_device_sync(d);
   }

@@ -375,7 +375,9 @@ bool query_stream(c10::DeviceIndex d, int64_t stream) {
   return done;
 }
 
+// Every host wait on a device ends a timeline epoch of the modelled time (device.cpp).
 void wait_for(c10::DeviceIndex d, uint64_t seq) {
+  timeline_barrier(d);
   if (seq == 0) return;
   get(d).wait(seq);
   emit_warnings(get(d));
