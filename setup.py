@@ -13,7 +13,10 @@ setup(
             sources=["csrc/allocator.cpp", "csrc/device.cpp", "csrc/kernels.cpp", "csrc/launch.cpp", "csrc/module.cpp",
                      "csrc/queue.cpp", "csrc/fusion.cpp",
                      "csrc/stream_check.cpp"],
-            extra_compile_args=["-O2", "-std=c++17"],
+            # OpenMP: at::parallel_for in our kernels (the fused ones) must really run in
+            # parallel, and mark the region so the ATen kernels inside it run serially.
+            extra_compile_args=["-O2", "-std=c++17", "-fopenmp"],
+            extra_link_args=["-fopenmp"],
         )
     ],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

@@ -31,6 +31,10 @@ struct Plan {
   std::optional<c10::OperatorHandle> out_op;  // out= overload writing the fresh returns
   bool pointwise = false;   // a candidate for the fusion window
   int inplace_self = -1;    // for an in-place op: the argument it writes and returns
+  // Row ops the fusion window also takes: a reduction (over its `dim` argument) or a
+  // concatenation (along its `dim` argument), when that dim turns out to be the last one.
+  enum { kNone, kReduction, kCat } row_kind = kNone;
+  int dim_arg = -1;
 };
 
 struct OutMeta {
@@ -146,6 +150,19 @@ Plan make_plan(const c10::OperatorHandle& op) {
       p.pointwise = true;
       p.inplace_self = p.ret_arg[0];
     }
+  }
+  // Reductions whose per-row result ATen computes from that row alone, whatever else the
+  // tensor holds; and concatenation, a copy.
+  static const std::unordered_map<std::string, std::string> row_ops = {
+      {"aten::sum", "dim_IntList"}, {"aten::mean", "dim"}, {"aten::amax", ""},
+      {"aten::amin", ""}, {"aten::cat", ""}};
+  auto r = row_ops.find(s.name());
+  if (r != row_ops.end() && r->second == s.overload_name() && p.out_op && p.fresh.size() == 1) {
+    p.row_kind = s.name() == "aten::cat" ? Plan::kCat : Plan::kReduction;
+    for (size_t i = 0; i < s.arguments().size(); ++i) {
+      if (s.arguments()[i].name() == "dim") p.dim_arg = int(i);
+    }
+    if (p.dim_arg < 0) p.row_kind = Plan::kNone;
   }
   p.eligible = true;
   return p;
@@ -390,33 +407,142 @@ IValue to_kernel_arg(const IValue& v) {
 
 namespace {
 
-// Every tensor operand a contiguous device tensor of the output's shape (or a CPU scalar),
-// and a fresh output the out= overload writes exactly: chunks of it are then independent.
-bool fusible(const Plan& plan, const torch::jit::Stack& stack, size_t base, size_t n,
-             const std::vector<at::Tensor>& out_dev, bool use_out) {
-  if (plan.inplace_self < 0 && !use_out) return false;
-  const at::Tensor& shaped = plan.inplace_self >= 0 ? stack[base + plan.inplace_self].toTensor()
-                                                    : out_dev[0];
-  // Below eager's parallel grain a tensor is cache-resident anyway: fusing saves nothing
-  // there and would only add the window's bookkeeping to the launch.
-  if (!shaped.defined() || !shaped.is_contiguous() || shaped.numel() < at::internal::GRAIN_SIZE) {
-    return false;
-  }
+// Every tensor operand a CPU scalar or a device tensor that `fits`; no lists, no generators.
+template <class F>
+bool operands_fit(const torch::jit::Stack& stack, size_t base, size_t n, F&& fits) {
   for (size_t i = 0; i < n; ++i) {
     const IValue& v = stack[base + i];
     if (v.isTensor()) {
       const at::Tensor& t = v.toTensor();
       if (!t.defined()) continue;
-      if (t.device().is_cpu()) {
-        if (t.dim() != 0) return false;
-        continue;
-      }
-      if (!t.is_contiguous() || t.sizes() != shaped.sizes()) return false;
+      if (t.device().is_cpu() ? t.dim() != 0 : !fits(t)) return false;
     } else if (v.isList() || v.isGenerator()) {
       return false;
     }
   }
   return true;
+}
+
+// The tensor a pointwise op writes: its fresh output, or self for an in-place op.
+const at::Tensor& written(const Plan& plan, const torch::jit::Stack& stack, size_t base,
+                          const std::vector<at::Tensor>& out_dev) {
+  return plan.inplace_self >= 0 ? stack[base + plan.inplace_self].toTensor() : out_dev[0];
+}
+
+// Every tensor operand a contiguous device tensor of the output's shape (or a CPU scalar),
+// and a fresh output the out= overload writes exactly: chunks of it are then independent.
+bool fusible(const Plan& plan, const torch::jit::Stack& stack, size_t base, size_t n,
+             const std::vector<at::Tensor>& out_dev, bool use_out) {
+  if (plan.inplace_self < 0 && !use_out) return false;
+  const at::Tensor& shaped = written(plan, stack, base, out_dev);
+  // Below eager's parallel grain a tensor is cache-resident anyway: fusing saves nothing
+  // there and would only add the window's bookkeeping to the launch.
+  if (!shaped.defined() || !shaped.is_contiguous() || shaped.numel() < at::internal::GRAIN_SIZE) {
+    return false;
+  }
+  return operands_fit(stack, base, n, [&](const at::Tensor& t) {
+    return t.is_contiguous() && t.sizes() == shaped.sizes();
+  });
+}
+
+// Ops whose result for an element does not depend on whether ATen's vectorized loop or its
+// scalar tail computes it: IEEE-exact arithmetic (no fused multiply-add), comparisons and
+// selections. Transcendental functions are not: their vector and scalar versions differ in
+// the last bit, so where a fused kernel splits their range matters.
+bool exact_op(const c10::FunctionSchema& s, const torch::jit::Stack& stack, size_t base) {
+  static const std::unordered_map<std::string, int> names = {
+      {"aten::add", 1}, {"aten::sub", 1}, {"aten::rsub", 1}, {"aten::mul", 0}, {"aten::neg", 0},
+      {"aten::abs", 0}, {"aten::maximum", 0}, {"aten::minimum", 0}, {"aten::clamp", 0},
+      {"aten::clamp_min", 0}, {"aten::clamp_max", 0}, {"aten::relu", 0}, {"aten::where", 0},
+      {"aten::sqrt", 0}, {"aten::rsqrt", 4}, {"aten::reciprocal", 0}, {"aten::eq", 0},
+      {"aten::ne", 0}, {"aten::lt", 0}, {"aten::le", 0}, {"aten::gt", 0}, {"aten::ge", 0},
+      {"aten::div", 2}, {"aten::pow", 3}};
+  auto it = names.find(s.name());
+  if (it == names.end()) return false;
+  const auto& args = s.arguments();
+  auto arg = [&](const char* name) -> const IValue* {
+    for (size_t i = 0; i < args.size(); ++i) {
+      if (args[i].name() == name) return &stack[base + i];
+    }
+    return nullptr;
+  };
+  switch (it->second) {
+    case 1: {  // `self + alpha * other` runs as one fused multiply-add in the vector loop
+      const IValue* alpha = arg("alpha");
+      return !alpha || (alpha->isScalar() && alpha->toScalar().equal(1));
+    }
+    case 2:  // true division only
+      return s.overload_name() == "Tensor" || s.overload_name() == "Scalar";
+    case 3: {  // x ** 2 is x * x in both loops
+      const IValue* e = arg("exponent");
+      return s.overload_name() == "Tensor_Scalar" && e && e->isScalar() && e->toScalar().equal(2);
+    }
+    case 4: {  // in bf16/fp16 the scalar loop rounds sqrt(x) before dividing, the vector one not
+      const IValue& self = stack[base];
+      return self.isTensor() && (self.toTensor().scalar_type() == c10::kFloat ||
+                                 self.toTensor().scalar_type() == c10::kDouble);
+    }
+    default:
+      return true;
+  }
+}
+
+// Does a row op qualify: its `dim` is the last one of a tensor of rank >= 2 (for cat, every
+// input's), every operand is on this device, and `iter` gets its iteration shape.
+bool row_fusible(const Plan& plan, const torch::jit::Stack& stack, size_t base, size_t n,
+                 const std::vector<at::Tensor>& out_dev, bool use_out, std::vector<int64_t>& iter) {
+  auto is_dev = [](const at::Tensor& t) { return t.defined() && t.device().type() == kDevice; };
+  auto last = [](const IValue& d, int64_t rank) {
+    int64_t v;
+    if (d.isInt()) v = d.toInt();
+    else if (d.isIntList() && d.toIntList().size() == 1) v = d.toIntList()[0];
+    else return false;
+    return v == -1 || v == rank - 1;
+  };
+  if (plan.row_kind != Plan::kNone) {
+    if (!use_out || out_dev.size() != 1 || !out_dev[0].defined()) return false;
+    const IValue& in = stack[base];
+    if (plan.row_kind == Plan::kReduction) {
+      // Reduced rows contiguous: ATen then reduces each row by itself, the same way in a
+      // block of rows as in the whole tensor (strided rows it may reduce several at once).
+      if (!in.isTensor() || !is_dev(in.toTensor()) || in.toTensor().dim() < 2) return false;
+      if (in.toTensor().stride(-1) != 1) return false;
+      if (!last(stack[base + plan.dim_arg], in.toTensor().dim())) return false;
+      iter = in.toTensor().sizes().vec();
+    } else {
+      const at::Tensor& o = out_dev[0];
+      if (!in.isTensorList() || o.dim() < 2 || !last(stack[base + plan.dim_arg], o.dim())) return false;
+      for (const at::Tensor& t : in.toTensorList()) {
+        if (!is_dev(t) || t.dim() != o.dim() || t.scalar_type() != o.scalar_type() ||
+            t.sizes().slice(0, o.dim() - 1) != o.sizes().slice(0, o.dim() - 1)) {
+          return false;
+        }
+      }
+      iter = o.sizes().vec();
+    }
+    for (size_t i = 1; i < n; ++i) {
+      if (stack[base + i].isTensor() || stack[base + i].isList()) {
+        if (!stack[base + i].isIntList()) return false;
+      }
+    }
+    return true;
+  }
+  if (plan.inplace_self < 0 && !use_out) return false;
+  const at::Tensor& shaped = written(plan, stack, base, out_dev);
+  if (!is_dev(shaped) || shaped.dim() < 2) return false;
+  if (plan.inplace_self < 0 && !shaped.is_contiguous()) return false;
+  auto O = shaped.sizes();
+  // Operands broadcast to the iteration shape (right-aligned, each size equal or 1).
+  bool ok = operands_fit(stack, base, n, [&](const at::Tensor& t) {
+    if (t.dim() > int64_t(O.size())) return false;
+    for (int64_t j = 0; j < t.dim(); ++j) {
+      int64_t s = t.size(j), o = O[O.size() - t.dim() + j];
+      if (s != o && s != 1) return false;
+    }
+    return true;
+  });
+  if (ok) iter = O.vec();
+  return ok;
 }
 
 struct Pending {
@@ -703,8 +829,19 @@ bool try_launch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
 
   // Adaptive Eager Execution: a pointwise op over contiguous operands of one shape joins the
   // device's fusion window instead of being queued on its own.
-  if (plan.pointwise && fusion::enabled() && fusible(plan, *stack, base, n, out_dev, use_out)) {
+  // Reductions and concatenations along the last dim join it too, with broadcasting
+  // pointwise ops (row-blocked: see fusion.cpp).
+  bool pure = false, row = false;
+  std::vector<int64_t> iter;
+  if ((plan.pointwise || plan.row_kind != Plan::kNone) && fusion::enabled()) {
+    pure = plan.pointwise && fusible(plan, *stack, base, n, out_dev, use_out);
+    row = row_fusible(plan, *stack, base, n, out_dev, use_out, iter);
+  }
+  if (pure || row) {
     fusion::Op f;
+    f.pure = pure;
+    f.row = row;
+    f.exact = plan.row_kind != Plan::kNone || exact_op(schema, *stack, base);
     f.kernel = use_out ? *plan.out_op : op;
     f.use_out = use_out;
     f.self = plan.inplace_self;
@@ -715,9 +852,12 @@ bool try_launch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
       }
     }
     f.outs = out_dev;
-    const at::Tensor& shaped = use_out ? out_dev[0] : (*stack)[base + plan.inplace_self].toTensor();
-    f.numel = shaped.numel();
-    f.shape = shaped.sizes().vec();
+    if (pure) {
+      const at::Tensor& shaped = use_out ? out_dev[0] : (*stack)[base + plan.inplace_self].toTensor();
+      iter = shaped.sizes().vec();
+    }
+    f.numel = c10::multiply_integers(iter);
+    f.shape = std::move(iter);
     f.name = schema.operator_name().name.c_str();
     f.dtype = dtype;
     f.shape_tensors.assign(a.first.begin(), a.first.end());

@@ -60,8 +60,9 @@ void warn_if_unportable(const c10::OperatorHandle& op, c10::ScalarType dtype);
 void record_fused(c10::DeviceIndex d, c10::ScalarType dtype, int64_t numel, int64_t n_ops,
                   int64_t bytes_in, int64_t bytes_out);
 
-// Adaptive Eager Execution (fusion.cpp): pointwise ops wait in a per-device window and run
-// as one chunked kernel, bit-identical to eager.
+// Adaptive Eager Execution (fusion.cpp): pointwise ops, last-dim reductions and last-dim
+// concatenations wait in a per-device window and run as one chunked kernel, bit-identical
+// to eager.
 namespace fusion {
 struct Op {
   std::optional<c10::OperatorHandle> kernel;  // the out= overload, or the in-place op
@@ -71,7 +72,12 @@ struct Op {
   bool use_out = false;
   int self = -1;                      // the argument an in-place op writes
   int64_t numel = 0;
-  std::vector<int64_t> shape;
+  std::vector<int64_t> shape;         // iteration shape: the output's, a reduction's input's
+  // pure: every operand contiguous and of `shape` (chunks of the flat range are independent).
+  // row: operands broadcast to `shape`, or it reduces or concatenates along the last dim
+  // (blocks of whole rows are independent). exact: each element's bits do not depend on
+  // which of ATen's vector or scalar loops computes it.
+  bool pure = false, row = false, exact = false;
   const char* name = nullptr;
   c10::ScalarType dtype = c10::kFloat;
   std::vector<at::Tensor> shape_tensors;  // for the cost record
