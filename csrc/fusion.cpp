@@ -62,6 +62,7 @@ struct Ref {
   int64_t offset;
   int shift;  // the window's dim of this operand's dim 0 (operands broadcast right-aligned)
   bool write;
+  int index = -1;  // a foreach op's list index (its chains run index by index)
 };
 
 struct Window {
@@ -71,7 +72,8 @@ struct Window {
   std::vector<std::vector<Ref>> refs;  // per op
   int64_t stream = 0;
   std::vector<int64_t> shape;  // the first op's iteration shape
-  bool rows = false;           // a rows window (else pure)
+  bool rows = false;           // a rows window (else pure, or foreach)
+  bool foreach = false;        // a window of `_foreach_` ops
   bool all_row = true;         // every op held could also run row-blocked
 };
 
@@ -152,12 +154,10 @@ bool only_window_holds(const at::Tensor& t, const Refs& refs) {
   return static_cast<int64_t>(t.storage().use_count()) == window_impls;
 }
 
-Plan make_plan(std::vector<Op>& ops) {
+// `refs`: every reference the window holds (counted before the plan copies any).
+Plan make_plan(std::vector<Op>& ops, const Refs& refs) {
   Plan p;
   p.numel = ops.front().numel;
-  // Liveness first: the plan's own copies of the tensors would count as references.
-  Refs refs;
-  count_refs(ops, refs);
   std::unordered_map<const void*, bool> dead;
   for (auto& op : ops) {
     if (op.use_out) dead[address(op.outs[0])] = only_window_holds(op.outs[0], refs);
@@ -188,6 +188,25 @@ Plan make_plan(std::vector<Op>& ops) {
     p.steps.push_back(std::move(s));
   }
   return p;
+}
+
+// What fusion saves is memory traffic: for intermediates the program has dropped (they
+// never reach memory), and for values several ops touch (in cache between them, as an
+// optimizer's in-place updates). A chain with neither would only pay the chunking's
+// per-call cost.
+bool plan_gains(const Plan& p) {
+  std::vector<int> uses(p.values.size(), 0);
+  for (const auto& s : p.steps) {
+    std::set<int> touched{s.out};
+    for (const auto& a : s.args) {
+      if (a.value >= 0) touched.insert(a.value);
+    }
+    for (int v : touched) ++uses[v];
+  }
+  for (size_t v = 0; v < uses.size(); ++v) {
+    if (p.values[v].dead || uses[v] > 1) return true;
+  }
+  return false;
 }
 
 // Runs the plan over [begin, end), one chunk of every op at a time.
@@ -274,28 +293,38 @@ bool same_place(const Ref& a, const Ref& b) {
 std::vector<Ref> refs_of(const Op& op) {
   const int rank = int(op.shape.size());
   std::vector<Ref> out;
-  auto add = [&](const at::Tensor& t, bool write, int shift) {
+  auto add = [&](const at::Tensor& t, bool write, int shift, int index) {
+    // A foreach op's tensors line up index by index, not with its `shape`.
+    if (!op.parts.empty()) shift = 0;
     out.push_back({t.storage().data(), t.scalar_type(), t.sizes().vec(), t.strides().vec(),
-                   t.storage_offset(), shift, write});
+                   t.storage_offset(), shift, write, index});
   };
   for (size_t i = 0; i < op.args.size(); ++i) {
     const IValue& v = op.args[i];
     if (v.isTensor() && v.toTensor().defined() && v.toTensor().device().type() == kDevice) {
-      add(v.toTensor(), int(i) == op.self, rank - int(v.toTensor().dim()));
+      add(v.toTensor(), int(i) == op.self, rank - int(v.toTensor().dim()), -1);
     } else if (v.isTensorList()) {
-      for (const IValue& e : v.toListRef()) add(e.toTensor(), false, rank - int(e.toTensor().dim()));
+      const auto& l = v.toListRef();
+      for (size_t k = 0; k < l.size(); ++k) {
+        add(l[k].toTensor(), int(i) == op.self, rank - int(l[k].toTensor().dim()),
+            op.parts.empty() ? -1 : int(k));
+      }
     }
   }
   // A reduction's output lines up with its input's leading dims (keepdim or not).
-  if (op.use_out) add(op.outs[0], true, 0);
+  if (op.use_out) add(op.outs[0], true, 0, -1);
+  if (!op.parts.empty()) {
+    for (size_t k = 0; k < op.outs.size(); ++k) add(op.outs[k], true, 0, int(k));
+  }
   return out;
 }
 
 // A written buffer must be seen in one place only by the whole window: another view of it
-// (shifted, transposed, reinterpreted) would read or write across block cuts.
+// (shifted, transposed, reinterpreted) would read or write across block cuts, and in a
+// foreach window another list index would see it out of program order.
 bool conflicts(const std::vector<std::vector<Ref>>& held, const std::vector<Ref>& mine) {
   auto clash = [](const Ref& a, const Ref& b) {
-    return a.buf == b.buf && (a.write || b.write) && !same_place(a, b);
+    return a.buf == b.buf && (a.write || b.write) && (!same_place(a, b) || a.index != b.index);
   };
   for (size_t i = 0; i < mine.size(); ++i) {
     for (const auto& refs : held) {
@@ -554,11 +583,21 @@ void launch_unfused(c10::DeviceIndex d, int64_t stream, std::vector<Op>& ops) {
 void flush_rows(c10::DeviceIndex d, int64_t stream, std::vector<Op>& ops,
                 const std::vector<std::vector<Ref>>& refs, const std::vector<int64_t>& shape) {
   auto plan = make_row_plan(ops, refs, shape);
-  bool any_dead = false;
+  bool gains = false;
   if (plan) {
-    for (const auto& v : plan->vals) any_dead = any_dead || v.dead;
+    std::vector<int> uses(plan->vals.size(), 0);
+    for (const auto& s : plan->steps) {
+      std::set<int> touched;
+      for (const auto& a : s.args) {
+        if (a.view >= 0) touched.insert(plan->views[a.view].val);
+        for (int v : a.views) touched.insert(plan->views[v].val);
+      }
+      touched.insert(plan->views[s.out].val);
+      for (int v : touched) ++uses[v];
+    }
+    for (size_t v = 0; v < uses.size(); ++v) gains = gains || plan->vals[v].dead || uses[v] > 1;
   }
-  if (!any_dead) return launch_unfused(d, stream, ops);
+  if (!gains) return launch_unfused(d, stream, ops);
   g_fused_kernels.fetch_add(1);
   g_fused_ops.fetch_add(int64_t(ops.size()));
   // One HBM round trip: what the window reads before writing it, and its live outputs.
@@ -602,50 +641,74 @@ void flush_locked(c10::DeviceIndex d, Window& w) {
     return;
   }
   if (w.rows) return flush_rows(d, w.stream, ops, refs, w.shape);
-  auto plan = std::make_shared<Plan>(make_plan(ops));
-  // What fusion saves is memory traffic for intermediates the program has dropped. A chain
-  // whose every value stays live (an optimizer's in-place updates) would only pay the
-  // chunking's per-call cost: run it unfused.
-  bool any_dead = false;
-  for (const auto& v : plan->values) any_dead = any_dead || v.dead;
-  if (!any_dead) return launch_unfused(d, w.stream, ops);
+  // Pure windows: one plan; foreach windows: one plan per list index, run in turn.
+  Refs counts;
+  count_refs(ops, counts);
+  std::vector<std::vector<Op>> chains;
+  if (w.foreach) {
+    for (size_t i = 0; i < ops.front().parts.size(); ++i) {
+      std::vector<Op> chain;
+      for (auto& op : ops) chain.push_back(std::move(op.parts[i]));
+      count_refs(chain, counts);
+      chains.push_back(std::move(chain));
+    }
+  } else {
+    chains.push_back(std::move(ops));
+  }
+  std::vector<std::shared_ptr<Plan>> plans;
+  bool gains = false;
+  for (auto& chain : chains) {
+    plans.push_back(std::make_shared<Plan>(make_plan(chain, counts)));
+    gains = gains || plan_gains(*plans.back());
+  }
+  if (!w.foreach) ops = std::move(chains.front());
+  if (!gains) return launch_unfused(d, w.stream, ops);
   g_fused_kernels.fetch_add(1);
   g_fused_ops.fetch_add(int64_t(ops.size()));
   // One HBM round trip: inputs read once, live outputs written once.
-  int64_t bytes_in = 0, bytes_out = 0;
-  std::vector<bool> written(plan->values.size(), false), read(plan->values.size(), false);
-  for (const auto& s : plan->steps) {
-    for (const auto& a : s.args) {
-      if (a.value >= 0 && !written[a.value] && !read[a.value]) {
-        read[a.value] = true;
-        bytes_in += plan->values[a.value].tensor.nbytes();
+  int64_t bytes_in = 0, bytes_out = 0, numel = 0;
+  for (const auto& plan : plans) {
+    std::vector<bool> written(plan->values.size(), false), read(plan->values.size(), false);
+    for (const auto& s : plan->steps) {
+      for (const auto& a : s.args) {
+        if (a.value >= 0 && !written[a.value] && !read[a.value]) {
+          read[a.value] = true;
+          bytes_in += plan->values[a.value].tensor.nbytes();
+        }
       }
+      written[s.out] = true;
     }
-    written[s.out] = true;
+    for (size_t i = 0; i < plan->values.size(); ++i) {
+      if (written[i] && !plan->values[i].dead) bytes_out += plan->values[i].tensor.nbytes();
+    }
+    numel += plan->numel;
   }
-  for (size_t i = 0; i < plan->values.size(); ++i) {
-    if (written[i] && !plan->values[i].dead) bytes_out += plan->values[i].tensor.nbytes();
-  }
-  record_fused(d, ops.front().dtype, plan->numel, int64_t(ops.size()), bytes_in, bytes_out);
+  record_fused(d, ops.front().dtype, numel, int64_t(ops.size()), bytes_in, bytes_out);
   // The kernel needs the device tensors' memory, not the tensors: it keeps CPU views only,
   // and the allocator holds blocks freed after the launch until this work has run. So the
   // device tensors (`hold`, `ops`) are released only once the kernel is queued.
   std::vector<at::Tensor> hold;
-  for (auto& v : plan->values) {
-    hold.push_back(v.tensor);
-    v.tensor = cpu_alias(v.tensor);
-  }
-  queue::launch_now(d, w.stream, "neuron::fused_pointwise", [plan] {
-    auto ranges = eager_ranges(plan->numel);
-    if (ranges.size() == 1) {
-      run_range(*plan, 0, plan->numel);
-      return;
+  for (auto& plan : plans) {
+    for (auto& v : plan->values) {
+      hold.push_back(v.tensor);
+      v.tensor = cpu_alias(v.tensor);
     }
-    at::parallel_for(0, int64_t(ranges.size()), 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) run_range(*plan, ranges[t].first, ranges[t].second);
-    });
+  }
+  queue::launch_now(d, w.stream, w.foreach ? "neuron::fused_foreach" : "neuron::fused_pointwise",
+                    [plans] {
+    for (const auto& plan : plans) {
+      auto ranges = eager_ranges(plan->numel);
+      if (ranges.size() == 1) {
+        run_range(*plan, 0, plan->numel);
+        continue;
+      }
+      at::parallel_for(0, int64_t(ranges.size()), 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) run_range(*plan, ranges[t].first, ranges[t].second);
+      });
+    }
   });
   hold.clear();
+  chains.clear();
   ops.clear();
 }
 
@@ -689,8 +752,10 @@ void append(c10::DeviceIndex d, int64_t stream, Op op) {
   Window& w = g_windows[d];
   std::lock_guard<std::mutex> g(w.mu);
   auto refs = refs_of(op);
+  const bool foreach = !op.parts.empty();
   if (!w.ops.empty()) {
-    bool pure = !w.rows && op.pure && op.shape == w.shape;
+    bool same = w.foreach == foreach && op.shape == w.shape;
+    bool pure = !w.rows && (op.pure || foreach) && same;
     bool rows = !pure && op.row && w.all_row && w.shape.size() >= 2 && rows_match(op.shape, w.shape);
     if (w.stream != stream || !(pure || rows) || conflicts(w.refs, refs)) {
       flush_locked(d, w);
@@ -701,7 +766,7 @@ void append(c10::DeviceIndex d, int64_t stream, Op op) {
   if (w.ops.empty()) {
     // A window starts with an op big enough to be worth blocking; a small row op (a
     // per-row op after its window closed) runs on its own.
-    if (!op.pure && !(op.row && op.numel >= kGrain)) {
+    if (!op.pure && !foreach && !(op.row && op.numel >= kGrain)) {
       g_kernels.fetch_add(1, std::memory_order_relaxed);
       record_op(op.name, d, op.dtype, op.shape_tensors, op.bytes_in, op.bytes_out);
       queue::launch_now(d, stream, op.name, std::move(op.run));
@@ -709,7 +774,8 @@ void append(c10::DeviceIndex d, int64_t stream, Op op) {
     }
     w.stream = stream;
     w.shape = op.shape;
-    w.rows = !op.pure;
+    w.rows = !op.pure && !foreach;
+    w.foreach = foreach;
     w.all_row = true;
     w.held.store(true, std::memory_order_relaxed);
   }

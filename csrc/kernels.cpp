@@ -842,9 +842,13 @@ int route_composites_to_cpu() {
     }
     std::string full = name.name.substr(6);
     if (!name.overload_name.empty()) full += "." + name.overload_name;
+    // `_foreach_` ops: CPU runs them through their composite, one op per list index; on
+    // neuron they reach the launcher whole, so Adaptive Eager can fuse a chain of them.
+    bool foreach = name.name.rfind("aten::_foreach_", 0) == 0 && explicit_composite;
     for (size_t i = 0; i < pairs.size(); ++i) {
       auto [cpu_key, key] = pairs[i];
-      if (!op->hasKernelForDispatchKey(cpu_key) || op->hasKernelForDispatchKey(key)) continue;
+      bool has_cpu = op->hasKernelForDispatchKey(cpu_key) || (foreach && i == 0);
+      if (!has_cpu || op->hasKernelForDispatchKey(key)) continue;
       // Dense views and our own kernels stay as they are; sparse views read the member
       // tensors through the sparse CPU kernel (see the fallback).
       if (key == K::PrivateUse1 && (is_view || handled_here(name.name))) continue;

@@ -7,6 +7,8 @@
 // non-tensors or has no Meta kernel for these arguments runs synchronously instead.
 #include "neuron.h"
 
+#include <numeric>
+
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -33,8 +35,9 @@ struct Plan {
   int inplace_self = -1;    // for an in-place op: the argument it writes and returns
   // Row ops the fusion window also takes: a reduction (over its `dim` argument) or a
   // concatenation (along its `dim` argument), when that dim turns out to be the last one.
-  enum { kNone, kReduction, kCat } row_kind = kNone;
+  enum { kNone, kReduction, kCat, kForeach } row_kind = kNone;
   int dim_arg = -1;
+  std::optional<c10::OperatorHandle> part;  // kForeach: the op applied to each list index
 };
 
 struct OutMeta {
@@ -72,17 +75,26 @@ bool mentions_generator(const c10::TypePtr& t) {
 }
 
 // The out= overload with the functional arguments followed by one `out` per fresh return.
-std::optional<c10::OperatorHandle> find_out(const c10::OperatorHandle& op, size_t n_out) {
+const std::vector<std::string>* overloads_of(const std::string& name) {
   static std::unordered_map<std::string, std::vector<std::string>> overloads;
   if (overloads.empty()) {
     for (const auto& n : c10::Dispatcher::singleton().getAllOpNames()) {
       overloads[n.name].push_back(n.overload_name);
     }
   }
+  auto it = overloads.find(name);
+  return it == overloads.end() ? nullptr : &it->second;
+}
+
+bool is_out_arg(const c10::Argument& a) {
+  return a.kwarg_only() && is_tensor_type(a.type()) && a.alias_info() && a.alias_info()->isWrite();
+}
+
+std::optional<c10::OperatorHandle> find_out(const c10::OperatorHandle& op, size_t n_out) {
   const auto& s = op.schema();
-  auto it = overloads.find(s.name());
-  if (it == overloads.end()) return std::nullopt;
-  for (const auto& ov : it->second) {
+  const auto* ovs = overloads_of(s.name());
+  if (!ovs) return std::nullopt;
+  for (const auto& ov : *ovs) {
     if (ov == s.overload_name()) continue;
     auto h = c10::Dispatcher::singleton().findOp({s.name(), ov});
     if (!h) continue;
@@ -93,10 +105,37 @@ std::optional<c10::OperatorHandle> find_out(const c10::OperatorHandle& op, size_
     for (size_t i = 0; i < f.size() && same; ++i) {
       same = a[i].name() == f[i].name() && a[i].type()->str() == f[i].type()->str();
     }
-    for (size_t i = f.size(); i < a.size() && same; ++i) {
-      same = a[i].kwarg_only() && is_tensor_type(a[i].type()) && a[i].alias_info() &&
-             a[i].alias_info()->isWrite();
-    }
+    for (size_t i = f.size(); i < a.size() && same; ++i) same = is_out_arg(a[i]);
+    if (same) return h;
+  }
+  return std::nullopt;
+}
+
+// The per-tensor op a `_foreach_` op applies to each index of its lists (CPU runs it so):
+// `_foreach_mul_.Scalar` -> `mul_.Scalar`, `_foreach_addcdiv_.ScalarList` -> `addcdiv_`
+// with each index's scalar, `_foreach_sqrt` -> `sqrt.out`.
+std::optional<c10::OperatorHandle> find_part(const c10::FunctionSchema& s) {
+  const std::string prefix = "aten::_foreach_";
+  if (s.name().rfind(prefix, 0) != 0) return std::nullopt;
+  const bool functional = !s.returns().empty();
+  const std::string name = "aten::" + s.name().substr(prefix.size());
+  const auto* ovs = overloads_of(name);
+  if (!ovs) return std::nullopt;
+  auto element = [](const c10::TypePtr& t) {
+    auto l = t->castRaw<c10::ListType>();
+    return l ? l->getElementType() : t;
+  };
+  const auto& f = s.arguments();
+  for (const auto& ov : *ovs) {
+    auto h = c10::Dispatcher::singleton().findOp({name, ov});
+    if (!h) continue;
+    const auto& a = h->schema().arguments();
+    // Trailing arguments the foreach op lacks must have defaults (`add_`'s alpha).
+    size_t n = a.size() - (functional ? 1 : 0);
+    if (a.size() < f.size() + (functional ? 1 : 0)) continue;
+    bool same = functional ? is_out_arg(a.back()) : bool(a[0].alias_info() && a[0].alias_info()->isWrite());
+    for (size_t i = 0; i < f.size() && same; ++i) same = element(f[i].type())->str() == a[i].type()->str();
+    for (size_t i = f.size(); i < n && same; ++i) same = a[i].default_value().has_value();
     if (same) return h;
   }
   return std::nullopt;
@@ -112,8 +151,9 @@ Plan make_plan(const c10::OperatorHandle& op) {
   }
   for (const auto& a : s.arguments()) {
     if (mentions_generator(a.type())) return p;
-    bool write = a.alias_info() && a.alias_info()->isWrite();
-    if (!write && (is_tensor_type(a.type()) || a.type()->str().find("Tensor") != std::string::npos)) {
+    // An in-place op reads what it writes; only out= arguments are written unread.
+    bool out = a.alias_info() && a.alias_info()->isWrite() && a.kwarg_only();
+    if (!out && (is_tensor_type(a.type()) || a.type()->str().find("Tensor") != std::string::npos)) {
       p.has_tensor_input = true;
     }
   }
@@ -163,6 +203,13 @@ Plan make_plan(const c10::OperatorHandle& op) {
       if (s.arguments()[i].name() == "dim") p.dim_arg = int(i);
     }
     if (p.dim_arg < 0) p.row_kind = Plan::kNone;
+  }
+  if (auto part = find_part(s)) {
+    const auto& ret = s.returns();
+    if (ret.empty() || (ret.size() == 1 && is_tensor_list_type(ret[0].type()) && p.fresh.size() == 1)) {
+      p.row_kind = Plan::kForeach;
+      p.part = part;
+    }
   }
   p.eligible = true;
   return p;
@@ -545,6 +592,55 @@ bool row_fusible(const Plan& plan, const torch::jit::Stack& stack, size_t base, 
   return ok;
 }
 
+// The per-index ops of a `_foreach_` op, when every one can join a pure window: each index's
+// tensors contiguous device tensors of one shape (shapes may differ between indices).
+std::vector<fusion::Op> foreach_parts(const Plan& plan, const torch::jit::Stack& stack, size_t base,
+                                      size_t n, const std::vector<at::Tensor>& out_dev) {
+  if (!stack[base].isTensorList()) return {};
+  const size_t len = stack[base].toListRef().size();
+  const bool functional = plan.fresh.size() == 1;
+  if (functional && out_dev.size() != len) return {};
+  std::vector<fusion::Op> parts(len);
+  int64_t total = 0;
+  for (size_t i = 0; i < len; ++i) {
+    fusion::Op& f = parts[i];
+    for (size_t j = 0; j < n; ++j) {
+      const IValue& v = stack[base + j];
+      if (v.isList()) {
+        if (v.toListRef().size() != len) return {};
+        f.args.push_back(v.toListRef()[i]);
+      } else {
+        f.args.push_back(v);
+      }
+      if (f.args.back().isTensor() && f.args.back().toTensor().defined() &&
+          f.args.back().toTensor().device().is_cpu()) {
+        f.args.back() = snapshot_cpu_scalar(f.args.back().toTensor());
+      }
+    }
+    const auto& pa = plan.part->schema().arguments();
+    for (size_t j = n; j < pa.size() - (functional ? 1 : 0); ++j) f.args.push_back(*pa[j].default_value());
+    const at::Tensor& shaped = functional ? out_dev[i] : f.args[0].toTensor();
+    if (!shaped.defined() || shaped.device().type() != kDevice || !shaped.is_contiguous()) return {};
+    if (!operands_fit(f.args, 0, n, [&](const at::Tensor& t) {
+          return t.is_contiguous() && t.sizes() == shaped.sizes() && t.device() == shaped.device();
+        })) {
+      return {};
+    }
+    f.kernel = plan.part;
+    f.use_out = functional;
+    f.self = functional ? -1 : 0;
+    if (functional) f.outs = {out_dev[i]};
+    f.numel = shaped.numel();
+    f.shape = shaped.sizes().vec();
+    f.name = plan.part->schema().operator_name().name.c_str();
+    f.dtype = shaped.scalar_type();
+    f.pure = true;
+    total += f.numel;
+  }
+  if (total < at::internal::GRAIN_SIZE) return {};
+  return parts;
+}
+
 struct Pending {
   std::shared_ptr<Entry> entry;  // outputs as the Meta kernel sees them
   uint64_t hash;
@@ -831,13 +927,19 @@ bool try_launch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   // device's fusion window instead of being queued on its own.
   // Reductions and concatenations along the last dim join it too, with broadcasting
   // pointwise ops (row-blocked: see fusion.cpp).
+  // A `_foreach_` op joins as its per-index ops.
   bool pure = false, row = false;
   std::vector<int64_t> iter;
+  std::vector<fusion::Op> parts;
   if ((plan.pointwise || plan.row_kind != Plan::kNone) && fusion::enabled()) {
-    pure = plan.pointwise && fusible(plan, *stack, base, n, out_dev, use_out);
-    row = row_fusible(plan, *stack, base, n, out_dev, use_out, iter);
+    if (plan.row_kind == Plan::kForeach) {
+      parts = foreach_parts(plan, *stack, base, n, out_dev);
+    } else {
+      pure = plan.pointwise && fusible(plan, *stack, base, n, out_dev, use_out);
+      row = row_fusible(plan, *stack, base, n, out_dev, use_out, iter);
+    }
   }
-  if (pure || row) {
+  if (pure || row || !parts.empty()) {
     fusion::Op f;
     f.pure = pure;
     f.row = row;
@@ -845,6 +947,11 @@ bool try_launch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
     f.kernel = use_out ? *plan.out_op : op;
     f.use_out = use_out;
     f.self = plan.inplace_self;
+    if (!parts.empty()) {
+      f.self = plan.fresh.empty() ? 0 : -1;
+      // A window of `_foreach_` ops needs each index's element count to agree across ops.
+      for (const auto& q : parts) iter.push_back(q.numel);
+    }
     f.args.assign(stack->begin() + base, stack->end());
     for (auto& v : f.args) {
       if (v.isTensor() && v.toTensor().defined() && v.toTensor().device().is_cpu()) {
@@ -852,12 +959,10 @@ bool try_launch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
       }
     }
     f.outs = out_dev;
-    if (pure) {
-      const at::Tensor& shaped = use_out ? out_dev[0] : (*stack)[base + plan.inplace_self].toTensor();
-      iter = shaped.sizes().vec();
-    }
-    f.numel = c10::multiply_integers(iter);
+    if (pure) iter = written(plan, *stack, base, out_dev).sizes().vec();
+    f.numel = parts.empty() ? c10::multiply_integers(iter) : std::accumulate(iter.begin(), iter.end(), int64_t(0));
     f.shape = std::move(iter);
+    f.parts = std::move(parts);
     f.name = schema.operator_name().name.c_str();
     f.dtype = dtype;
     f.shape_tensors.assign(a.first.begin(), a.first.end());

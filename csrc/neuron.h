@@ -78,6 +78,8 @@ struct Op {
   // (blocks of whole rows are independent). exact: each element's bits do not depend on
   // which of ATen's vector or scalar loops computes it.
   bool pure = false, row = false, exact = false;
+  // A `_foreach_` op: one pure op per list index (then `shape` holds their element counts).
+  std::vector<Op> parts;
   const char* name = nullptr;
   c10::ScalarType dtype = c10::kFloat;
   std::vector<at::Tensor> shape_tensors;  // for the cost record
