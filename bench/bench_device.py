@@ -174,8 +174,11 @@ def _with_aee(make, on):
 
         def run():
             torch_neuronx.set_adaptive_eager(on)
-            fn()
+            # The result stays referenced until the device is done, as a program's would:
+            # a dropped result is an intermediate nobody reads, and fusion skips writing it.
+            out = fn()
             torch.neuron.synchronize()
+            del out
         return run
     return build
 
