@@ -792,6 +792,8 @@ void flush(c10::DeviceIndex d) {
   flush_locked(d, w);
 }
 
+bool holding(c10::DeviceIndex d) { return g_windows[d].held.load(std::memory_order_relaxed); }
+
 void flush_all() {
   for (int d = 0; d < int(g_windows.size()); ++d) flush(static_cast<c10::DeviceIndex>(d));
 }

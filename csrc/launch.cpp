@@ -937,6 +937,11 @@ bool try_launch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
     } else {
       pure = plan.pointwise && fusible(plan, *stack, base, n, out_dev, use_out);
       row = row_fusible(plan, *stack, base, n, out_dev, use_out, iter);
+      // A small row op only ever joins a window already open (small tensors start none).
+      if (row && !pure && !fusion::holding(a.device) &&
+          c10::multiply_integers(iter) < at::internal::GRAIN_SIZE) {
+        row = false;
+      }
     }
   }
   if (pure || row || !parts.empty()) {

@@ -94,6 +94,7 @@ void count_launch();  // a launch that bypasses the window: one op, one kernel
 void append(c10::DeviceIndex d, int64_t stream, Op op);
 void flush(c10::DeviceIndex d);
 void flush_all();
+bool holding(c10::DeviceIndex d);  // ops are waiting in the device's window
 Stats stats(bool reset);
 }  // namespace fusion
 
