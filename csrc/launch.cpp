@@ -38,6 +38,7 @@ struct Plan {
   enum { kNone, kReduction, kCat, kForeach } row_kind = kNone;
   int dim_arg = -1;
   std::optional<c10::OperatorHandle> part;  // kForeach: the op applied to each list index
+  int dropout_arg = -1;  // a seeded op that is deterministic when this argument is 0
 };
 
 struct OutMeta {
@@ -145,9 +146,17 @@ Plan make_plan(const c10::OperatorHandle& op) {
   Plan p;
   const auto& s = op.schema();
   if (s.name().rfind("aten::", 0) != 0) return p;
-  if (op.hasTag(at::Tag::nondeterministic_seeded) || op.hasTag(at::Tag::dynamic_output_shape) ||
-      op.hasTag(at::Tag::data_dependent_output) || op.hasTag(at::Tag::inplace_view)) {
+  if (op.hasTag(at::Tag::dynamic_output_shape) || op.hasTag(at::Tag::data_dependent_output) ||
+      op.hasTag(at::Tag::inplace_view)) {
     return p;
+  }
+  if (op.hasTag(at::Tag::nondeterministic_seeded)) {
+    // Random ops draw from the generator in program order: they run now. Attention kernels
+    // are tagged so for their dropout; without dropout they are deterministic.
+    for (size_t i = 0; i < s.arguments().size(); ++i) {
+      if (s.arguments()[i].name() == "dropout_p") p.dropout_arg = int(i);
+    }
+    if (p.dropout_arg < 0) return p;
   }
   for (const auto& a : s.arguments()) {
     if (mentions_generator(a.type())) return p;
@@ -767,6 +776,10 @@ bool try_launch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   const auto& schema = op.schema();
   const size_t n = schema.arguments().size();
   const size_t base = stack->size() - n;
+  if (plan.dropout_arg >= 0) {
+    const IValue& p = (*stack)[base + plan.dropout_arg];
+    if (!p.isDouble() || p.toDouble() != 0.0) return false;
+  }
 
   Args a;
   a.key.push_back(reinterpret_cast<int64_t>(&schema));
