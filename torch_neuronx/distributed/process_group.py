@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import threading
 import time
 from datetime import timedelta
 
@@ -49,6 +48,7 @@ _GLOO_REDUCTIONS = {int(_RED.PRODUCT), int(_RED.MIN), int(_RED.MAX)} | _BITWISE
 _GLOO_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
                 torch.uint8, torch.int32, torch.int64, torch.bool}
 _INFINITE = timedelta(milliseconds=-1)
+_ZERO = timedelta(0)
 _FINGERPRINTS: dict = {}   # call description -> its 56-bit hash, for the peer agreement
 
 
@@ -76,6 +76,18 @@ def _cpu_alias(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype).set_(cpu_storage, t.storage_offset(), t.size(), t.stride())
 
 
+_ADD_TIME = None
+
+
+def _add_time():
+    """``cost_model._add_time`` (imported on first use: the cost model imports the runtime)."""
+    global _ADD_TIME
+    if _ADD_TIME is None:
+        from ..cost_model import _add_time as add
+        _ADD_TIME = add
+    return _ADD_TIME
+
+
 # Names by dtype and by reduce-op value: each collective describes its call for the peer
 # agreement, and str() of torch's enums costs more than the rest of that description.
 _DTYPE_NAMES: dict = {}
@@ -99,6 +111,8 @@ def _red_name(op) -> str:
 
 class _Host:
     """The CPU tensors gloo uses for one collective, and what to do once it completes."""
+
+    __slots__ = ("keep", "fixups", "copyback")
 
     def __init__(self):
         self.keep = []       # device tensors whose memory gloo is using
@@ -139,25 +153,22 @@ class _NeuronWork(dist.Work):
         self._works = works
         self._result = result
         self._host = host
-        self._lock = threading.Lock()
-        self._finished = False
         self._fut = None
 
     def _finish(self) -> None:
-        with self._lock:
-            if self._finished:
-                return
-            self._finished = True
-            host, self._host = self._host, None
+        # wait() and the future's callback (a gloo thread) may both get here: popping the
+        # attribute is atomic under the GIL, so exactly one of them finishes the host side.
+        host = self.__dict__.pop("_host", None)
         if host is not None:
             host.finish()
 
     def wait(self, timeout=None) -> bool:
         try:
-            for w in self._works:
-                if timeout is None or timeout == timedelta(0) or timeout == _INFINITE:
+            if timeout is None or timeout == _ZERO or timeout == _INFINITE:
+                for w in self._works:
                     w.wait()
-                else:
+            else:
+                for w in self._works:
                     w.wait(timeout)
         except RuntimeError as e:
             raise self._pg._comm_error(self._op, e) from e
@@ -406,17 +417,17 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     def _model(self, kind: str, op: str, nbytes: int) -> None:
         if kind != "neuron":
             return
-        from .. import cost_model
-        seconds = self._modelled.get((op, nbytes))
-        if seconds is None:
+        cached = self._modelled.get((op, nbytes))
+        if cached is None:
             from .. import _state
             cfg = _state.config()   # read once per process: the cached times stay valid
             seconds = collectives_model.collective_seconds(op, nbytes, self.size(), self._nodes,
                                                            cfg.profile, cfg.lnc)
+            cached = (f"c10d::{op}", seconds)
             if len(self._modelled) < 4096:
-                self._modelled[(op, nbytes)] = seconds
-        cost_model._add_time(self._device_index, f"c10d::{op}", seconds, engine="collective",
-                             link_bytes=nbytes)
+                self._modelled[(op, nbytes)] = cached
+        _add_time()(self._device_index, cached[0], cached[1], engine="collective",
+                    link_bytes=nbytes)
 
     def _work(self, op: str, works: list, result: list, host: _Host) -> _NeuronWork:
         w = _NeuronWork(self, op, works, result, host)
@@ -477,12 +488,15 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             opts = self._opts(_c10d.AllreduceOptions, None, reduceOp=ReduceOp(opts) if isinstance(opts, _RED) else opts)
         kind = self._check_tensors("all_reduce", tensors)
         red = opts.reduceOp
+        red_kind = _red_kind(red)
         # host views first: a rank that waits in the agreement issues right after it returns
         host = _Host()
         hs = [host.get(t, write=True) for t in tensors]
-        self._verify("all_reduce", ",".join(_describe(t) for t in tensors) + f"|{_red_name(red)}")
+        if self._check:
+            self._verify("all_reduce", ",".join(_describe(t) for t in tensors) + "|"
+                         + _RED_NAMES[red_kind])
         gred, hs = self._reduce_setup("all_reduce", red, tensors[0].dtype, host, hs, hs, True)
-        if _red_kind(red) in (_AVG, _PREMUL_SUM):
+        if red_kind == _AVG or red_kind == _PREMUL_SUM:
             opts = self._opts(_c10d.AllreduceOptions, opts, reduceOp=gred)
         works = [self._gloo.allreduce([h], opts) for h in hs]
         self._model(kind, "all_reduce", sum(t.nbytes for t in tensors))
