@@ -996,8 +996,10 @@ bool try_launch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   fusion::count_launch();
   stack->erase(stack->begin() + base, stack->end());
   for (auto& r : results) stack->push_back(std::move(r));
+  // An op over a few KiB takes less than handing it to the executor thread costs.
+  constexpr int64_t kSmallBytes = 16384;
   queue::launch(a.device, current_stream_id(a.device), schema.operator_name().name.c_str(),
-                std::move(run));
+                std::move(run), a.bytes_in + bytes_out <= kSmallBytes);
   return true;
 }
 

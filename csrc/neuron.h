@@ -123,7 +123,9 @@ void enter_sync();  // host code reading device memory directly (compiled graphs
 void exit_sync();
 void set_site_hooks(Site (*capture)(), std::string (*describe)(const Site&));
 // launch() first closes the device's fusion window; launch_now() is the window's own.
-uint64_t launch(c10::DeviceIndex d, int64_t stream, const char* op, std::function<void()> run);
+// small: work of a few microseconds, run at once on the calling thread if the device is idle.
+uint64_t launch(c10::DeviceIndex d, int64_t stream, const char* op, std::function<void()> run,
+                bool small = false);
 uint64_t launch_now(c10::DeviceIndex d, int64_t stream, const char* op, std::function<void()> run);
 void synchronize(c10::DeviceIndex d);
 void synchronize_all();

@@ -48,12 +48,27 @@ class DeviceQueue {
  public:
   explicit DeviceQueue(c10::DeviceIndex d) : device_(d) {}
 
-  uint64_t launch(const char* op, int64_t stream, std::function<void()> run) {
+  uint64_t launch(const char* op, int64_t stream, std::function<void()> run, bool small) {
     Item it;
     it.op = op;
-    if (g_capture) it.site = g_capture();
     it.run = std::move(run);
     std::unique_lock<std::mutex> lk(mu_);
+    if (small && items_.empty() && done_.load(std::memory_order_acquire) == launched_ &&
+        !failed_.load(std::memory_order_relaxed)) {
+      // The device is idle: a small op runs here, as the executor would run it next. Handing
+      // it over would cost more than the op (the two threads trading the queue's memory
+      // between cores), and there is nothing queued for it to overtake. The lock keeps the
+      // executor and other host threads out until it is done.
+      it.seq = ++launched_;
+      stream_last_[stream] = it.seq;
+      execute(it, true);
+      executed_.fetch_add(1, std::memory_order_relaxed);
+      done_.store(it.seq, std::memory_order_release);
+      return it.seq;
+    }
+    lk.unlock();
+    if (g_capture) it.site = g_capture();
+    lk.lock();
     if (items_.size() >= kMaxQueued) {
       ++waiters_;
       release_gil_while([&] { room_.wait(lk, [&] { return items_.size() < kMaxQueued / 2; }); });
@@ -211,23 +226,7 @@ class DeviceQueue {
         queued_.store(items_.size(), std::memory_order_release);
         if (waiters_ && items_.size() < kMaxQueued / 2) room_.notify_all();
       }
-      if (!failed_.load(std::memory_order_relaxed)) {
-        try {
-          it.run();
-        } catch (const c10::IndexError& e) {
-          fail(it, Kind::Index, e.what_without_backtrace());
-        } catch (const c10::ValueError& e) {
-          fail(it, Kind::Value, e.what_without_backtrace());
-        } catch (const c10::TypeError& e) {
-          fail(it, Kind::Type, e.what_without_backtrace());
-        } catch (const c10::NotImplementedError& e) {
-          fail(it, Kind::NotImplemented, e.what_without_backtrace());
-        } catch (const c10::Error& e) {
-          fail(it, Kind::Error, e.what_without_backtrace());
-        } catch (const std::exception& e) {
-          fail(it, Kind::Error, e.what());
-        }
-      }
+      if (!failed_.load(std::memory_order_relaxed)) execute(it, false);
       executed_.fetch_add(1, std::memory_order_relaxed);
       // The work's tensors are released by the host thread (at its next launch or wait):
       // freeing memory the host allocated from this thread would contend on malloc's arena.
@@ -253,9 +252,32 @@ class DeviceQueue {
 
   bool pending_hint() { return queued_.load(std::memory_order_acquire) > 0; }
 
-  void fail(const Item& it, Kind kind, const char* what) {
+  // Runs one piece of work; an error is kept, with the op and its launch site, for the next
+  // wait to raise, and the work queued after it is skipped.
+  void execute(Item& it, bool holding_lock) {
+    Kind kind;
+    std::string what;
+    try {
+      it.run();
+      return;
+    } catch (const c10::IndexError& e) {
+      kind = Kind::Index, what = e.what_without_backtrace();
+    } catch (const c10::ValueError& e) {
+      kind = Kind::Value, what = e.what_without_backtrace();
+    } catch (const c10::TypeError& e) {
+      kind = Kind::Type, what = e.what_without_backtrace();
+    } catch (const c10::NotImplementedError& e) {
+      kind = Kind::NotImplemented, what = e.what_without_backtrace();
+    } catch (const c10::Error& e) {
+      kind = Kind::Error, what = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      kind = Kind::Error, what = e.what();
+    }
+    // Run here on the host (holding_lock), the launching Python frame is still current.
+    if (holding_lock && g_capture) it.site = g_capture();
     std::string where = g_describe ? g_describe(it.site) : std::string();
-    std::lock_guard<std::mutex> g(mu_);
+    std::unique_lock<std::mutex> g(mu_, std::defer_lock);
+    if (!holding_lock) g.lock();
     error_ = std::string("neuron: ") + it.op + (where.empty() ? "" : " launched at " + where) +
              " failed on the device (work queued after it was skipped): " + what;
     kind_ = kind;
@@ -333,12 +355,13 @@ void set_site_hooks(Site (*capture)(), std::string (*describe)(const Site&)) {
 }
 
 uint64_t launch_now(c10::DeviceIndex d, int64_t stream, const char* op, std::function<void()> run) {
-  return get(d).launch(op, stream, std::move(run));
+  return get(d).launch(op, stream, std::move(run), false);
 }
 
-uint64_t launch(c10::DeviceIndex d, int64_t stream, const char* op, std::function<void()> run) {
+uint64_t launch(c10::DeviceIndex d, int64_t stream, const char* op, std::function<void()> run,
+                bool small) {
   fusion::flush(d);
-  return get(d).launch(op, stream, std::move(run));
+  return get(d).launch(op, stream, std::move(run), small);
 }
 
 void synchronize(c10::DeviceIndex d) {
