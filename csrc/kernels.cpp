@@ -643,7 +643,9 @@ void run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       if (t.device().type() == kDevice) {
         if (mut) originals.emplace_back(i, iv);
         iv = ctx.to_host(t, mut);
-      } else if (t.device().is_cpu() && t.dim() > 0 && ctx.cpu_arg.empty()) {
+      } else if (t.device().is_cpu() && t.dim() > 0 && ctx.cpu_arg.empty() &&
+                 !(args[i].name() == "scalars" && schema.name().rfind("aten::_foreach_", 0) == 0)) {
+        // (A `_foreach_` op's per-tensor `scalars` live on the CPU, as on CUDA.)
         ctx.cpu_arg = args[i].name();
       }
     } else if (iv.isList()) {

@@ -85,3 +85,47 @@ def test_lists_that_share_tensors_keep_program_order():
     got = f(ad, bd)
     for g, w in zip(got, want):
         _same(g, w)
+
+
+def _foreach_ops():
+    import torch.testing._internal.common_methods_invocations as m
+    names = sorted(n for n in dir(m) if n.startswith("foreach_") and n.endswith("_op_db"))
+    return [op for n in names for op in getattr(m, n)]
+
+
+def _to_neuron(v):
+    # A 0-dim tensor moves; a standalone 1-D tensor is a `scalars` argument, which stays on
+    # the CPU as CUDA requires.
+    return v.to(N) if torch.is_tensor(v) and v.dim() == 0 else v
+
+
+def _move(sample):
+    inp = [t.to(N) for t in sample.input]
+    args = [[t.to(N) if torch.is_tensor(t) else t for t in a] if isinstance(a, (list, tuple))
+            else _to_neuron(a) for a in sample.args]
+    return inp, args, dict(sample.kwargs)
+
+
+@pytest.mark.parametrize("op", _foreach_ops(), ids=lambda op: op.name)
+def test_foreach_opinfo_samples_match_cpu(op):
+    samples = list(op.sample_inputs("cpu", torch.float32, num_input_tensors=[3]))[:4]
+    compared = 0
+    for k, s in enumerate(samples):
+        for variant in (op.method_variant, op.inplace_variant):
+            if variant is None:
+                continue
+            inp_c = [t.clone() for t in s.input]
+            try:
+                want = variant(inp_c, *s.args, **s.kwargs)
+            except Exception:  # noqa: BLE001 - CPU rejects the sample: nothing to compare
+                continue
+            for _ in range(2):  # the first call of a signature learns it
+                inp_d, args_d, kwargs_d = _move(s)
+                got = variant(inp_d, *args_d, **kwargs_d)
+            if variant is op.inplace_variant:
+                want, got = inp_c, inp_d
+            for w, g in zip(want, got):
+                torch.testing.assert_close(g.cpu(), w, rtol=0, atol=0, equal_nan=True,
+                                           msg=lambda m: f"{op.name} sample {k}: {m}")
+                compared += 1
+    assert compared > 0
