@@ -98,12 +98,17 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     auto idx = d.index() < 0 ? current_device() : d.index();
     return c10::Stream(c10::Stream::UNSAFE, c10::Device(kDevice, idx), t_current_stream[idx]);
   }
+  // A stream belongs to one device: `torch.Stream("neuron")` means the current one, as for
+  // CUDA (every queue and fusion window is looked up by the stream's device index).
+  static c10::Device indexed(c10::Device d) {
+    return c10::Device(kDevice, d.index() < 0 ? current_device() : d.index());
+  }
   c10::Stream getDefaultStream(c10::Device d) const override {
-    return c10::Stream(c10::Stream::UNSAFE, d, 0);
+    return c10::Stream(c10::Stream::UNSAFE, indexed(d), 0);
   }
   c10::Stream getNewStream(c10::Device d, int priority = 0) const override {
     (void)priority;
-    return c10::Stream(c10::Stream::UNSAFE, d, g_next_stream.fetch_add(1));
+    return c10::Stream(c10::Stream::UNSAFE, indexed(d), g_next_stream.fetch_add(1));
   }
   c10::Stream getStreamFromGlobalPool(c10::Device d, bool isHighPriority = false) const override {
     (void)isHighPriority;

@@ -20,7 +20,7 @@
 //   sets of whole rows, so a reduction sees each row whole (ATen reduces a row by itself,
 //   whatever the rest of the tensor holds). Ops whose bits depend on the vector/scalar split
 //   (transcendentals) are taken only where block cuts fall on eager's own split points.
-#include "neuron.h"
+#include "fusion_internal.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -38,32 +38,18 @@
 
 namespace neuron::fusion {
 
-namespace {
-
-using c10::IValue;
+namespace detail {
 
 std::atomic<int> g_enabled{-1};  // -1: not yet read from the environment
 std::atomic<int64_t> g_ops{0}, g_kernels{0}, g_fused_kernels{0}, g_fused_ops{0};
 
-constexpr size_t kMaxWindow = 16;
-// Elements per chunk: a multiple of every vectorized loop's stride (2 vectors of up to 64
-// bytes, for 1-byte dtypes 128 elements); large enough that ATen's per-call cost (a few
-// microseconds) stays small next to the chunk's work, small enough (1 MiB of fp32) that a
-// chain's chunks stay in cache.
-constexpr int64_t kChunk = 262144;
-constexpr int64_t kGrain = at::internal::GRAIN_SIZE;
+void count_fused(int64_t n_ops) {
+  g_fused_kernels.fetch_add(1);
+  g_fused_ops.fetch_add(n_ops);
+}
 
-// One tensor operand as its op saw it at launch (the host may change a tensor's metadata
-// before the window closes).
-struct Ref {
-  const void* buf;
-  c10::ScalarType dtype;
-  std::vector<int64_t> sizes, strides;
-  int64_t offset;
-  int shift;  // the window's dim of this operand's dim 0 (operands broadcast right-aligned)
-  bool write;
-  int index = -1;  // a foreach op's list index (its chains run index by index)
-};
+constexpr size_t kMaxWindow = 16;
+constexpr int64_t kGrain = at::internal::GRAIN_SIZE;
 
 struct Window {
   std::mutex mu;
@@ -117,9 +103,6 @@ struct Plan {
   std::vector<Step> steps;
   int64_t numel = 0;
 };
-
-// The window's own references to each TensorImpl: (one of its tensors, count).
-using Refs = std::unordered_map<const c10::TensorImpl*, std::pair<const at::Tensor*, int64_t>>;
 
 void count_refs(const std::vector<Op>& ops, Refs& refs) {
   auto add = [&](const at::Tensor& t) {
@@ -266,15 +249,6 @@ std::vector<std::pair<int64_t, int64_t>> eager_ranges(int64_t n) {
   return out;
 }
 
-// ---- rows windows ----
-
-// Elements of the widest operand per block: the chain's blocks stay in cache, and ATen's
-// per-call cost (a few microseconds per op) stays small next to a block's work.
-constexpr int64_t kRowBlock = 131072;
-// Every vectorized loop's stride (2 vectors of 64 bytes, for 1-byte dtypes 128 elements)
-// divides it: a loop started this many elements later lines its vectors up the same way.
-constexpr int64_t kAlign = 128;
-
 // The operand's non-broadcast dims as (window dim, size, stride).
 std::vector<std::array<int64_t, 3>> placed_dims(const Ref& r) {
   std::vector<std::array<int64_t, 3>> out;
@@ -339,291 +313,12 @@ bool conflicts(const std::vector<std::vector<Ref>>& held, const std::vector<Ref>
   return false;
 }
 
-struct RowPlan {
-  struct Val {
-    c10::Storage storage;  // live values: the device memory, as a CPU storage
-    bool dead = false;
-    int slot = -1;  // dead values: the scratch buffer
-  };
-  struct View {
-    int val;
-    c10::ScalarType dtype;
-    std::vector<int64_t> sizes, strides;
-    int64_t offset;
-    int shift;
-  };
-  struct Arg {
-    int view = -1;
-    bool list = false;
-    std::vector<int> views;  // a tensor list
-    IValue constant;
-  };
-  struct Step {
-    c10::OperatorHandle kernel;
-    bool use_out;
-    std::vector<Arg> args;
-    int out = -1;
-  };
-  std::vector<Val> vals;
-  std::vector<View> views;
-  std::vector<Step> steps;
-  std::vector<int64_t> rows;  // the leading dims all operands share
-  int bd = 0;                 // blocks cut this dim (all dims before it are taken one by one)
-  int64_t len = 1, per_outer = 1, blocks = 0, numel = 0;
-
-  // Block b: an index into the dims before bd, and rows [t0, t1) of dim bd.
-  void block(int64_t b, int64_t* idx, int64_t& t0, int64_t& t1) const {
-    int64_t o = b / per_outer;
-    t0 = (b % per_outer) * len;
-    t1 = std::min(t0 + len, rows[bd]);
-    for (int m = bd - 1; m >= 0; --m) {
-      idx[m] = o % rows[m];
-      o /= rows[m];
-    }
-  }
-  // View v narrowed to a block: its sizes and storage offset.
-  int64_t narrow(const View& v, const int64_t* idx, int64_t t0, int64_t t1, int64_t* sizes) const {
-    int64_t off = v.offset;
-    for (size_t j = 0; j < v.sizes.size(); ++j) {
-      sizes[j] = v.sizes[j];
-      int64_t m = int64_t(j) + v.shift;
-      if (m > bd || v.sizes[j] == 1) continue;
-      if (m < bd) {
-        off += idx[m] * v.strides[j];
-        sizes[j] = 1;
-      } else {
-        off += t0 * v.strides[j];
-        sizes[j] = t1 - t0;
-      }
-    }
-    return off;
-  }
-};
-
-bool contiguous(const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides) {
-  int64_t expect = 1;
-  for (int64_t j = int64_t(sizes.size()) - 1; j >= 0; --j) {
-    if (sizes[j] != 1 && strides[j] != expect) return false;
-    expect *= sizes[j];
-  }
-  return true;
-}
-
-// The rows kernel for a window, or null when it could not be bit-identical to eager.
-std::shared_ptr<RowPlan> make_row_plan(std::vector<Op>& ops,
-                                       const std::vector<std::vector<Ref>>& refs,
-                                       const std::vector<int64_t>& shape) {
-  auto p = std::make_shared<RowPlan>();
-  const int k = int(shape.size()) - 1;
-  p->rows.assign(shape.begin(), shape.begin() + k);
-  int64_t width = 1;
-  for (const auto& op : ops) {
-    if (op.shape.size() == shape.size()) width = std::max(width, op.shape.back());
-  }
-  // Blocks: the outermost row dim whose slices fit a block, cut into runs of rows.
-  std::vector<int64_t> inner(k);
-  int64_t acc = width;
-  for (int m = k - 1; m >= 0; --m) {
-    inner[m] = acc;
-    acc *= p->rows[m];
-  }
-  if (width > kRowBlock) return nullptr;  // one row does not fit: reductions need it whole
-  p->bd = 0;
-  while (inner[p->bd] > kRowBlock) ++p->bd;
-  p->len = std::min(p->rows[p->bd], std::max<int64_t>(1, kRowBlock / inner[p->bd]));
-  // Runs of a multiple of kAlign rows keep per-row values' vector loops lined up with eager.
-  if (p->len > kAlign && p->len < p->rows[p->bd]) p->len -= p->len % kAlign;
-  p->per_outer = (p->rows[p->bd] + p->len - 1) / p->len;
-  int64_t outer = 1;
-  for (int m = 0; m < p->bd; ++m) outer *= p->rows[m];
-  p->blocks = outer * p->per_outer;
-  p->numel = acc;
-
-  // Liveness: a fresh output is dead if the program holds no reference to it and every
-  // reference the window makes sees it in the place its op wrote it.
-  Refs counts;
-  count_refs(ops, counts);
-  std::unordered_map<const void*, int> val_of;
-  std::unordered_map<const void*, bool> dead;
-  for (size_t i = 0; i < ops.size(); ++i) {
-    if (!ops[i].use_out) continue;
-    const Ref& out = refs[i].back();
-    bool d = only_window_holds(ops[i].outs[0], counts) && contiguous(out.sizes, out.strides);
-    for (const auto& rs : refs) {
-      for (const auto& r : rs) d = d && (r.buf != out.buf || same_place(r, out));
-    }
-    dead[out.buf] = d;
-  }
-  int slots = 0;
-  auto view_of = [&](const Ref& r, const at::Tensor& t) {
-    auto it = val_of.find(r.buf);
-    int v;
-    if (it == val_of.end()) {
-      v = int(p->vals.size());
-      RowPlan::Val val;
-      auto dd = dead.find(r.buf);
-      val.dead = dd != dead.end() && dd->second;
-      if (val.dead) val.slot = slots++;
-      else val.storage = cpu_alias(t).storage();
-      p->vals.push_back(std::move(val));
-      val_of[r.buf] = v;
-    } else {
-      v = it->second;
-    }
-    p->views.push_back({v, r.dtype, r.sizes, r.strides, r.offset, r.shift});
-    return int(p->views.size()) - 1;
-  };
-  for (size_t i = 0; i < ops.size(); ++i) {
-    Op& op = ops[i];
-    RowPlan::Step st{*op.kernel, op.use_out, {}, -1};
-    size_t next = 0;
-    for (size_t a = 0; a < op.args.size(); ++a) {
-      const IValue& v = op.args[a];
-      RowPlan::Arg arg;
-      if (v.isTensor() && v.toTensor().defined() && v.toTensor().device().type() == kDevice) {
-        arg.view = view_of(refs[i][next++], v.toTensor());
-        if (int(a) == op.self) st.out = arg.view;
-      } else if (v.isTensorList()) {
-        arg.list = true;
-        for (const IValue& e : v.toListRef()) arg.views.push_back(view_of(refs[i][next++], e.toTensor()));
-      } else {
-        arg.constant = v;
-      }
-      st.args.push_back(std::move(arg));
-    }
-    if (op.use_out) st.out = view_of(refs[i][next++], op.outs[0]);
-
-    if (op.exact) {
-      p->steps.push_back(std::move(st));
-      continue;
-    }
-    // The vector/scalar split matters: every operand must be contiguous in the iteration
-    // shape, eager's per-thread split points must be block cuts, and each cut must lie a
-    // multiple of kAlign into eager's range.
-    const auto& O = op.shape;
-    for (const auto& r : refs[i]) {
-      if (r.sizes != O || r.shift != 0 || !contiguous(r.sizes, r.strides)) return nullptr;
-    }
-    int64_t inner_o = 1;
-    for (size_t m = p->bd + 1; m < O.size(); ++m) inner_o *= O[m];
-    auto ranges = eager_ranges(op.numel);
-    std::vector<int64_t> starts;
-    for (const auto& r : ranges) starts.push_back(r.first);
-    int64_t cuts_found = 0;
-    for (int64_t b = 0; b < p->blocks; ++b) {
-      int64_t e = ((b / p->per_outer) * p->rows[p->bd] + (b % p->per_outer) * p->len) * inner_o;
-      size_t r = std::upper_bound(starts.begin(), starts.end(), e) - starts.begin() - 1;
-      if ((e - starts[r]) % kAlign != 0) return nullptr;
-      cuts_found += e == starts[r];
-    }
-    if (cuts_found != int64_t(starts.size())) return nullptr;
-    p->steps.push_back(std::move(st));
-  }
-  for (const auto& v : p->views) {
-    if (p->vals[v.val].dead && p->len * inner[p->bd] * c10::elementSize(v.dtype) > kChunk * 8) {
-      return nullptr;
-    }
-  }
-  return p;
-}
-
-void run_rows(const RowPlan& p) {
-  at::parallel_for(0, p.blocks, 1, [&](int64_t b0, int64_t b1) {
-    // One CPU tensor per view, re-pointed at each block.
-    std::vector<at::Tensor> t(p.views.size());
-    for (size_t i = 0; i < p.views.size(); ++i) {
-      const auto& v = p.views[i];
-      const auto& val = p.vals[v.val];
-      c10::Storage storage = val.dead ? scratch_buffer(val.slot) : val.storage;
-      t[i] = at::detail::make_tensor<c10::TensorImpl>(
-          std::move(storage),
-          c10::DispatchKeySet(c10::DispatchKey::CPU), c10::scalarTypeToTypeMeta(v.dtype));
-    }
-    std::vector<int64_t> idx(p.bd + 1), sizes;
-    for (int64_t b = b0; b < b1; ++b) {
-      int64_t t0, t1;
-      p.block(b, idx.data(), t0, t1);
-      for (size_t i = 0; i < p.views.size(); ++i) {
-        const auto& v = p.views[i];
-        sizes.resize(v.sizes.size());
-        int64_t off = p.narrow(v, idx.data(), t0, t1, sizes.data());
-        // A dead value's block sits at the start of its scratch buffer.
-        if (p.vals[v.val].dead) off = 0;
-        t[i].unsafeGetTensorImpl()->set_sizes_and_strides(sizes, v.strides, off);
-      }
-      for (const auto& s : p.steps) {
-        torch::jit::Stack st;
-        st.reserve(s.args.size() + 1);
-        for (const auto& a : s.args) {
-          if (a.view >= 0) {
-            st.emplace_back(t[a.view]);
-          } else if (a.list) {
-            c10::List<at::Tensor> l;
-            for (int v : a.views) l.push_back(t[v]);
-            st.emplace_back(std::move(l));
-          } else {
-            st.push_back(a.constant);
-          }
-        }
-        if (s.use_out) st.emplace_back(t[s.out]);
-        s.kernel.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &st);
-      }
-    }
-  });
-}
-
 void launch_unfused(c10::DeviceIndex d, int64_t stream, std::vector<Op>& ops) {
   g_kernels.fetch_add(int64_t(ops.size()) - 1);
   for (auto& op : ops) {
     record_op(op.name, d, op.dtype, op.shape_tensors, op.bytes_in, op.bytes_out);
     queue::launch_now(d, stream, op.name, std::move(op.run));
   }
-}
-
-void flush_rows(c10::DeviceIndex d, int64_t stream, std::vector<Op>& ops,
-                const std::vector<std::vector<Ref>>& refs, const std::vector<int64_t>& shape) {
-  auto plan = make_row_plan(ops, refs, shape);
-  bool gains = false;
-  if (plan) {
-    std::vector<int> uses(plan->vals.size(), 0);
-    for (const auto& s : plan->steps) {
-      std::set<int> touched;
-      for (const auto& a : s.args) {
-        if (a.view >= 0) touched.insert(plan->views[a.view].val);
-        for (int v : a.views) touched.insert(plan->views[v].val);
-      }
-      touched.insert(plan->views[s.out].val);
-      for (int v : touched) ++uses[v];
-    }
-    for (size_t v = 0; v < uses.size(); ++v) gains = gains || plan->vals[v].dead || uses[v] > 1;
-  }
-  if (!gains) return launch_unfused(d, stream, ops);
-  g_fused_kernels.fetch_add(1);
-  g_fused_ops.fetch_add(int64_t(ops.size()));
-  // One HBM round trip: what the window reads before writing it, and its live outputs.
-  int64_t bytes_in = 0, bytes_out = 0;
-  std::vector<bool> written(plan->vals.size(), false);
-  std::set<std::pair<int, int64_t>> counted;
-  auto nbytes = [](const RowPlan::View& v) {
-    return c10::multiply_integers(v.sizes) * int64_t(c10::elementSize(v.dtype));
-  };
-  for (const auto& s : plan->steps) {
-    for (const auto& a : s.args) {
-      std::vector<int> vs = a.list ? a.views : std::vector<int>{a.view};
-      for (int v : vs) {
-        if (v < 0) continue;
-        const auto& view = plan->views[v];
-        if (written[view.val] || !counted.insert({view.val, view.offset}).second) continue;
-        bytes_in += nbytes(view);
-      }
-    }
-    written[plan->views[s.out].val] = true;
-    if (!plan->vals[plan->views[s.out].val].dead) bytes_out += nbytes(plan->views[s.out]);
-  }
-  record_fused(d, ops.front().dtype, plan->numel, int64_t(ops.size()), bytes_in, bytes_out);
-  // The kernel holds CPU storages over the device memory; the allocator keeps blocks freed
-  // after the launch out of reuse until it has run.
-  queue::launch_now(d, stream, "neuron::fused_rows", [plan] { run_rows(*plan); });
 }
 
 void flush_locked(c10::DeviceIndex d, Window& w) {
@@ -712,7 +407,9 @@ void flush_locked(c10::DeviceIndex d, Window& w) {
   ops.clear();
 }
 
-}  // namespace
+}  // namespace detail
+
+using namespace detail;
 
 bool enabled() {
   int e = g_enabled.load(std::memory_order_relaxed);

@@ -341,8 +341,8 @@ def test_streams_and_events():
     end.synchronize()
     assert start.elapsed_time(end) >= 0 and end.query()
     assert isinstance(end, torch.neuron.Event)
-    g = torch.Stream(N)
-    assert g.device.type == N and g.query()
+    g = torch.Stream(N)  # no index: the current device's, as for CUDA
+    assert g.device.type == N and g.device.index == torch.neuron.current_device() and g.query()
     torch.neuron.synchronize()
     torch.accelerator.synchronize()
     assert torch.neuron.Stream(priority=-1).query()
