@@ -9,6 +9,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/Contiguity.h>
 
 #include <algorithm>
 #include <array>
@@ -86,12 +87,7 @@ struct RowPlan {
 };
 
 bool contiguous(const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides) {
-  int64_t expect = 1;
-  for (int64_t j = int64_t(sizes.size()) - 1; j >= 0; --j) {
-    if (sizes[j] != 1 && strides[j] != expect) return false;
-    expect *= sizes[j];
-  }
-  return true;
+  return c10::_compute_contiguous<int64_t>(sizes, strides, c10::multiply_integers(sizes));
 }
 
 // The rows kernel for a window, or null when it could not be bit-identical to eager.
@@ -212,6 +208,20 @@ std::shared_ptr<RowPlan> make_row_plan(std::vector<Op>& ops,
   return p;
 }
 
+bool plan_gains(const RowPlan& p) {
+  std::vector<std::set<int>> touched;
+  for (const auto& s : p.steps) {
+    touched.push_back({p.views[s.out].val});
+    for (const auto& a : s.args) {
+      if (a.view >= 0) touched.back().insert(p.views[a.view].val);
+      for (int v : a.views) touched.back().insert(p.views[v].val);
+    }
+  }
+  std::vector<bool> dead;
+  for (const auto& v : p.vals) dead.push_back(v.dead);
+  return saves_traffic(touched, dead);
+}
+
 void run_rows(const RowPlan& p) {
   at::parallel_for(0, p.blocks, 1, [&](int64_t b0, int64_t b1) {
     // One CPU tensor per view, re-pointed at each block.
@@ -262,21 +272,7 @@ void run_rows(const RowPlan& p) {
 void flush_rows(c10::DeviceIndex d, int64_t stream, std::vector<Op>& ops,
                 const std::vector<std::vector<Ref>>& refs, const std::vector<int64_t>& shape) {
   auto plan = make_row_plan(ops, refs, shape);
-  bool gains = false;
-  if (plan) {
-    std::vector<int> uses(plan->vals.size(), 0);
-    for (const auto& s : plan->steps) {
-      std::set<int> touched;
-      for (const auto& a : s.args) {
-        if (a.view >= 0) touched.insert(plan->views[a.view].val);
-        for (int v : a.views) touched.insert(plan->views[v].val);
-      }
-      touched.insert(plan->views[s.out].val);
-      for (int v : touched) ++uses[v];
-    }
-    for (size_t v = 0; v < uses.size(); ++v) gains = gains || plan->vals[v].dead || uses[v] > 1;
-  }
-  if (!gains) return launch_unfused(d, stream, ops);
+  if (!plan || !plan_gains(*plan)) return launch_unfused(d, stream, ops);
   count_fused(int64_t(ops.size()));
   // One HBM round trip: what the window reads before writing it, and its live outputs.
   int64_t bytes_in = 0, bytes_out = 0;

@@ -58,8 +58,9 @@ struct Window {
   std::vector<std::vector<Ref>> refs;  // per op
   int64_t stream = 0;
   std::vector<int64_t> shape;  // the first op's iteration shape
-  bool rows = false;           // a rows window (else pure, or foreach)
-  bool foreach = false;        // a window of `_foreach_` ops
+  // pure: pointwise ops over one shape; rows: row-blocked (fused_rows.cpp); foreach: chains
+  // of `_foreach_` ops, run list index by list index.
+  enum class Kind { kPure, kRows, kForeach } kind = Kind::kPure;
   bool all_row = true;         // every op held could also run row-blocked
 };
 
@@ -173,23 +174,28 @@ Plan make_plan(std::vector<Op>& ops, const Refs& refs) {
   return p;
 }
 
-// What fusion saves is memory traffic: for intermediates the program has dropped (they
-// never reach memory), and for values several ops touch (in cache between them, as an
-// optimizer's in-place updates). A chain with neither would only pay the chunking's
-// per-call cost.
-bool plan_gains(const Plan& p) {
-  std::vector<int> uses(p.values.size(), 0);
-  for (const auto& s : p.steps) {
-    std::set<int> touched{s.out};
-    for (const auto& a : s.args) {
-      if (a.value >= 0) touched.insert(a.value);
-    }
-    for (int v : touched) ++uses[v];
+bool saves_traffic(const std::vector<std::set<int>>& touched, const std::vector<bool>& dead) {
+  std::vector<int> uses(dead.size(), 0);
+  for (const auto& values : touched) {
+    for (int v : values) ++uses[v];
   }
-  for (size_t v = 0; v < uses.size(); ++v) {
-    if (p.values[v].dead || uses[v] > 1) return true;
+  for (size_t v = 0; v < dead.size(); ++v) {
+    if (dead[v] || uses[v] > 1) return true;
   }
   return false;
+}
+
+bool plan_gains(const Plan& p) {
+  std::vector<std::set<int>> touched;
+  for (const auto& s : p.steps) {
+    touched.push_back({s.out});
+    for (const auto& a : s.args) {
+      if (a.value >= 0) touched.back().insert(a.value);
+    }
+  }
+  std::vector<bool> dead;
+  for (const auto& v : p.values) dead.push_back(v.dead);
+  return saves_traffic(touched, dead);
 }
 
 // Runs the plan over [begin, end), one chunk of every op at a time.
@@ -335,12 +341,13 @@ void flush_locked(c10::DeviceIndex d, Window& w) {
     queue::launch_now(d, w.stream, op.name, std::move(op.run));
     return;
   }
-  if (w.rows) return flush_rows(d, w.stream, ops, refs, w.shape);
+  if (w.kind == Window::Kind::kRows) return flush_rows(d, w.stream, ops, refs, w.shape);
+  const bool foreach = w.kind == Window::Kind::kForeach;
   // Pure windows: one plan; foreach windows: one plan per list index, run in turn.
   Refs counts;
   count_refs(ops, counts);
   std::vector<std::vector<Op>> chains;
-  if (w.foreach) {
+  if (foreach) {
     for (size_t i = 0; i < ops.front().parts.size(); ++i) {
       std::vector<Op> chain;
       for (auto& op : ops) chain.push_back(std::move(op.parts[i]));
@@ -356,7 +363,7 @@ void flush_locked(c10::DeviceIndex d, Window& w) {
     plans.push_back(std::make_shared<Plan>(make_plan(chain, counts)));
     gains = gains || plan_gains(*plans.back());
   }
-  if (!w.foreach) ops = std::move(chains.front());
+  if (!foreach) ops = std::move(chains.front());
   if (!gains) return launch_unfused(d, w.stream, ops);
   g_fused_kernels.fetch_add(1);
   g_fused_ops.fetch_add(int64_t(ops.size()));
@@ -389,7 +396,7 @@ void flush_locked(c10::DeviceIndex d, Window& w) {
       v.tensor = cpu_alias(v.tensor);
     }
   }
-  queue::launch_now(d, w.stream, w.foreach ? "neuron::fused_foreach" : "neuron::fused_pointwise",
+  queue::launch_now(d, w.stream, foreach ? "neuron::fused_foreach" : "neuron::fused_pointwise",
                     [plans] {
     for (const auto& plan : plans) {
       auto ranges = eager_ranges(plan->numel);
@@ -449,21 +456,21 @@ void append(c10::DeviceIndex d, int64_t stream, Op op) {
   Window& w = g_windows[d];
   std::lock_guard<std::mutex> g(w.mu);
   auto refs = refs_of(op);
-  const bool foreach = !op.parts.empty();
+  using K = Window::Kind;
+  const K mine = !op.parts.empty() ? K::kForeach : op.pure ? K::kPure : K::kRows;
   if (!w.ops.empty()) {
-    bool same = w.foreach == foreach && op.shape == w.shape;
-    bool pure = !w.rows && (op.pure || foreach) && same;
-    bool rows = !pure && op.row && w.all_row && w.shape.size() >= 2 && rows_match(op.shape, w.shape);
-    if (w.stream != stream || !(pure || rows) || conflicts(w.refs, refs)) {
+    bool same = mine == w.kind && mine != K::kRows && op.shape == w.shape;
+    bool rows = !same && op.row && w.all_row && w.shape.size() >= 2 && rows_match(op.shape, w.shape);
+    if (w.stream != stream || !(same || rows) || conflicts(w.refs, refs)) {
       flush_locked(d, w);
     } else if (rows) {
-      w.rows = true;
+      w.kind = K::kRows;
     }
   }
   if (w.ops.empty()) {
     // A window starts with an op big enough to be worth blocking; a small row op (a
     // per-row op after its window closed) runs on its own.
-    if (!op.pure && !foreach && !(op.row && op.numel >= kGrain)) {
+    if (mine == K::kRows && op.numel < kGrain) {
       g_kernels.fetch_add(1, std::memory_order_relaxed);
       record_op(op.name, d, op.dtype, op.shape_tensors, op.bytes_in, op.bytes_out);
       queue::launch_now(d, stream, op.name, std::move(op.run));
@@ -471,8 +478,7 @@ void append(c10::DeviceIndex d, int64_t stream, Op op) {
     }
     w.stream = stream;
     w.shape = op.shape;
-    w.rows = !op.pure && !foreach;
-    w.foreach = foreach;
+    w.kind = mine;
     w.all_row = true;
     w.held.store(true, std::memory_order_relaxed);
   }

@@ -3,6 +3,7 @@
 
 #include "neuron.h"
 
+#include <set>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -42,6 +43,11 @@ std::vector<std::pair<int64_t, int64_t>> eager_ranges(int64_t n);
 // Per-thread buffer `slot` of kChunk * 8 bytes, kept across kernels.
 c10::Storage scratch_buffer(size_t slot);
 void launch_unfused(c10::DeviceIndex d, int64_t stream, std::vector<Op>& ops);
+// What fusion saves is memory traffic: for intermediates the program has dropped (they never
+// reach memory), and for values several ops touch (in cache between them, as an optimizer's
+// in-place updates). A chain with neither would only pay the blocking's per-call cost.
+// `touched[s]`: the values step s reads or writes.
+bool saves_traffic(const std::vector<std::set<int>>& touched, const std::vector<bool>& dead);
 void count_fused(int64_t n_ops);
 
 // fused_rows.cpp: runs a rows window as one row-blocked kernel, or unfused when that could

@@ -545,9 +545,13 @@ bool exact_op(const c10::FunctionSchema& s, const torch::jit::Stack& stack, size
 
 // Does a row op qualify: its `dim` is the last one of a tensor of rank >= 2 (for cat, every
 // input's), every operand is on this device, and `iter` gets its iteration shape.
+// window_open: ops wait in the device's fusion window. A small op only ever joins one that is
+// open (small tensors start none), so without one it is turned away before any scan.
 bool row_fusible(const Plan& plan, const torch::jit::Stack& stack, size_t base, size_t n,
-                 const std::vector<at::Tensor>& out_dev, bool use_out, std::vector<int64_t>& iter) {
+                 const std::vector<at::Tensor>& out_dev, bool use_out, bool window_open,
+                 std::vector<int64_t>& iter) {
   auto is_dev = [](const at::Tensor& t) { return t.defined() && t.device().type() == kDevice; };
+  auto worth = [&](const at::Tensor& t) { return window_open || t.numel() >= at::internal::GRAIN_SIZE; };
   auto last = [](const IValue& d, int64_t rank) {
     int64_t v;
     if (d.isInt()) v = d.toInt();
@@ -562,12 +566,14 @@ bool row_fusible(const Plan& plan, const torch::jit::Stack& stack, size_t base, 
       // Reduced rows contiguous: ATen then reduces each row by itself, the same way in a
       // block of rows as in the whole tensor (strided rows it may reduce several at once).
       if (!in.isTensor() || !is_dev(in.toTensor()) || in.toTensor().dim() < 2) return false;
-      if (in.toTensor().stride(-1) != 1) return false;
+      if (!worth(in.toTensor()) || in.toTensor().stride(-1) != 1) return false;
       if (!last(stack[base + plan.dim_arg], in.toTensor().dim())) return false;
       iter = in.toTensor().sizes().vec();
     } else {
       const at::Tensor& o = out_dev[0];
-      if (!in.isTensorList() || o.dim() < 2 || !last(stack[base + plan.dim_arg], o.dim())) return false;
+      if (!in.isTensorList() || o.dim() < 2 || !worth(o) || !last(stack[base + plan.dim_arg], o.dim())) {
+        return false;
+      }
       for (const at::Tensor& t : in.toTensorList()) {
         if (!is_dev(t) || t.dim() != o.dim() || t.scalar_type() != o.scalar_type() ||
             t.sizes().slice(0, o.dim() - 1) != o.sizes().slice(0, o.dim() - 1)) {
@@ -585,7 +591,7 @@ bool row_fusible(const Plan& plan, const torch::jit::Stack& stack, size_t base, 
   }
   if (plan.inplace_self < 0 && !use_out) return false;
   const at::Tensor& shaped = written(plan, stack, base, out_dev);
-  if (!is_dev(shaped) || shaped.dim() < 2) return false;
+  if (!is_dev(shaped) || shaped.dim() < 2 || !worth(shaped)) return false;
   if (plan.inplace_self < 0 && !shaped.is_contiguous()) return false;
   auto O = shaped.sizes();
   // Operands broadcast to the iteration shape (right-aligned, each size equal or 1).
@@ -949,12 +955,7 @@ bool try_launch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
       parts = foreach_parts(plan, *stack, base, n, out_dev);
     } else {
       pure = plan.pointwise && fusible(plan, *stack, base, n, out_dev, use_out);
-      row = row_fusible(plan, *stack, base, n, out_dev, use_out, iter);
-      // A small row op only ever joins a window already open (small tensors start none).
-      if (row && !pure && !fusion::holding(a.device) &&
-          c10::multiply_integers(iter) < at::internal::GRAIN_SIZE) {
-        row = false;
-      }
+      row = row_fusible(plan, *stack, base, n, out_dev, use_out, fusion::holding(a.device), iter);
     }
   }
   if (pure || row || !parts.empty()) {

@@ -34,6 +34,15 @@ std::string (*g_describe)(const Site&) = nullptr;
 
 enum class Kind { Error, Index, Value, Type, NotImplemented };
 
+// The Python exception type a failed kernel's error maps to, kept for the rethrow.
+Kind kind_of(const c10::Error& e) {
+  if (dynamic_cast<const c10::IndexError*>(&e)) return Kind::Index;
+  if (dynamic_cast<const c10::ValueError*>(&e)) return Kind::Value;
+  if (dynamic_cast<const c10::TypeError*>(&e)) return Kind::Type;
+  if (dynamic_cast<const c10::NotImplementedError*>(&e)) return Kind::NotImplemented;
+  return Kind::Error;
+}
+
 struct Item {
   uint64_t seq = 0;
   const char* op = nullptr;
@@ -260,16 +269,8 @@ class DeviceQueue {
     try {
       it.run();
       return;
-    } catch (const c10::IndexError& e) {
-      kind = Kind::Index, what = e.what_without_backtrace();
-    } catch (const c10::ValueError& e) {
-      kind = Kind::Value, what = e.what_without_backtrace();
-    } catch (const c10::TypeError& e) {
-      kind = Kind::Type, what = e.what_without_backtrace();
-    } catch (const c10::NotImplementedError& e) {
-      kind = Kind::NotImplemented, what = e.what_without_backtrace();
     } catch (const c10::Error& e) {
-      kind = Kind::Error, what = e.what_without_backtrace();
+      kind = kind_of(e), what = e.what_without_backtrace();
     } catch (const std::exception& e) {
       kind = Kind::Error, what = e.what();
     }
