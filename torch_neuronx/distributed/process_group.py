@@ -492,9 +492,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         # host views first: a rank that waits in the agreement issues right after it returns
         host = _Host()
         hs = [host.get(t, write=True) for t in tensors]
-        if self._check:
-            self._verify("all_reduce", ",".join(_describe(t) for t in tensors) + "|"
-                         + _RED_NAMES[red_kind])
+        self._verify("all_reduce", ",".join(_describe(t) for t in tensors) + "|"
+                     + _RED_NAMES[red_kind])
         gred, hs = self._reduce_setup("all_reduce", red, tensors[0].dtype, host, hs, hs, True)
         if red_kind == _AVG or red_kind == _PREMUL_SUM:
             opts = self._opts(_c10d.AllreduceOptions, opts, reduceOp=gred)
