@@ -775,6 +775,34 @@ void confirm(std::shared_ptr<void>& learning, const c10::OperatorHandle& op,
   insert(p->hash, p->entry);
 }
 
+namespace {
+// Runs a launched op's CPU kernel on `s` (its arguments, as CPU aliases): into its outputs'
+// aliases through the out= overload, or by copying what the functional kernel returned.
+void run_kernel(const c10::OperatorHandle& kernel, bool use_out, const std::vector<int>& fresh,
+                torch::jit::Stack& s, std::vector<at::Tensor>& out_alias) {
+  s.reserve(s.size() + out_alias.size());
+  if (use_out) {
+    for (auto& t : out_alias) s.emplace_back(t);
+    kernel.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &s);
+    return;
+  }
+  kernel.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &s);
+  size_t q = 0;
+  for (int j : fresh) {
+    const IValue& r = s[j];
+    if (r.isTensor()) {
+      const at::Tensor& t = r.toTensor();
+      TORCH_CHECK(t.defined() == out_alias[q].defined(), "neuron: internal error: ", kernel.schema().name(),
+                  " returned a different set of outputs than its Meta kernel");
+      if (t.defined()) out_alias[q].copy_(t);
+      ++q;
+    } else {
+      for (const at::Tensor& t : r.toTensorList()) out_alias[q++].copy_(t);
+    }
+  }
+}
+}  // namespace
+
 bool try_launch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
                 std::shared_ptr<void>* learning) {
   const Plan& plan = plan_for(op);
@@ -867,9 +895,6 @@ bool try_launch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
     if (prev != a.device) set_current_device(prev);
   }
 
-  std::vector<IValue> kargs;
-  kargs.reserve(n);
-  for (size_t i = 0; i < n; ++i) kargs.push_back(to_kernel_arg((*stack)[base + i]));
   std::vector<at::Tensor> out_alias;
   out_alias.reserve(out_dev.size());
   int64_t bytes_out = 0;
@@ -913,33 +938,18 @@ bool try_launch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   std::optional<c10::OperatorHandle> kernel = plan.out_op;
   bool use_out = entry->use_out && kernel.has_value() && !out_alias.empty() && all_defined;
   if (!use_out) kernel = op;
-  // The lambda holds aliases, not the device tensors: the host may free them at once, and
+  // The work holds aliases, not the device tensors: the host may free them at once, and
   // the allocator keeps their blocks out of reuse until this work has run.
-  auto run = [kernel = *kernel, use_out, fresh = &plan.fresh, kargs = std::move(kargs),
-              out_alias = std::move(out_alias)]() mutable {
-    // Copied, not moved: what the host allocated is freed by the host (see queue.cpp).
-    torch::jit::Stack s(kargs.begin(), kargs.end());
-    s.reserve(kargs.size() + out_alias.size());
-    if (use_out) {
-      for (auto& t : out_alias) s.emplace_back(t);
-      kernel.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &s);
-      return;
-    }
-    kernel.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &s);
-    // No out= overload: the kernel made fresh CPU tensors; move them into device memory.
-    size_t q = 0;
-    for (int j : *fresh) {
-      const IValue& r = s[j];
-      if (r.isTensor()) {
-        const at::Tensor& t = r.toTensor();
-        TORCH_CHECK(t.defined() == out_alias[q].defined(), "neuron: internal error: ", kernel.schema().name(),
-                    " returned a different set of outputs than its Meta kernel");
-        if (t.defined()) out_alias[q].copy_(t);
-        ++q;
-      } else {
-        for (const at::Tensor& t : r.toTensorList()) out_alias[q++].copy_(t);
-      }
-    }
+  auto make_run = [&] {
+    std::vector<IValue> kargs;
+    kargs.reserve(n);
+    for (size_t i = 0; i < n; ++i) kargs.push_back(to_kernel_arg((*stack)[base + i]));
+    return [kernel = *kernel, use_out, fresh = &plan.fresh, kargs = std::move(kargs),
+            out_alias = std::move(out_alias)]() mutable {
+      // Copied, not moved: what the host allocated is freed by the host (see queue.cpp).
+      torch::jit::Stack s(kargs.begin(), kargs.end());
+      run_kernel(kernel, use_out, *fresh, s, out_alias);
+    };
   };
 
   // Adaptive Eager Execution: a pointwise op over contiguous operands of one shape joins the
@@ -987,7 +997,7 @@ bool try_launch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
     f.shape_tensors.assign(a.first.begin(), a.first.end());
     f.bytes_in = a.bytes_in;
     f.bytes_out = bytes_out;
-    f.run = std::move(run);
+    f.run = make_run();
     stack->erase(stack->begin() + base, stack->end());
     for (auto& r : results) stack->push_back(std::move(r));
     fusion::append(a.device, current_stream_id(a.device), std::move(f));
@@ -995,12 +1005,27 @@ bool try_launch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   }
   record_op(schema.operator_name().name.c_str(), a.device, dtype, a.first, a.bytes_in, bytes_out);
   fusion::count_launch();
-  stack->erase(stack->begin() + base, stack->end());
-  for (auto& r : results) stack->push_back(std::move(r));
+  const char* name = schema.operator_name().name.c_str();
+  const int64_t stream_id = current_stream_id(a.device);
   // An op over a few KiB takes less than handing it to the executor thread costs.
   constexpr int64_t kSmallBytes = 16384;
-  queue::launch(a.device, current_stream_id(a.device), schema.operator_name().name.c_str(),
-                std::move(run), a.bytes_in + bytes_out <= kSmallBytes);
+  bool ran = a.bytes_in + bytes_out <= kSmallBytes &&
+             queue::run_inline(a.device, stream_id, name, [&] {
+               // Run now: CPU scalars need no snapshot, and the host frees what this holds.
+               torch::jit::Stack s;
+               s.reserve(n + out_alias.size());
+               for (size_t i = 0; i < n; ++i) {
+                 s.push_back(map_tensors((*stack)[base + i], [](const at::Tensor& t) {
+                   return t.device().type() == kDevice ? cpu_alias(t) : t;
+                 }, c10::Device(c10::kCPU)));
+               }
+               run_kernel(*kernel, use_out, plan.fresh, s, out_alias);
+             });
+  std::function<void()> run;
+  if (!ran) run = make_run();
+  stack->erase(stack->begin() + base, stack->end());
+  for (auto& r : results) stack->push_back(std::move(r));
+  if (!ran) queue::launch(a.device, stream_id, name, std::move(run));
   return true;
 }
 

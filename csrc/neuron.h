@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/CachingDeviceAllocator.h>
+#include <c10/util/FunctionRef.h>
 
 #include <functional>
 #include <memory>
@@ -123,10 +124,11 @@ void enter_sync();  // host code reading device memory directly (compiled graphs
 void exit_sync();
 void set_site_hooks(Site (*capture)(), std::string (*describe)(const Site&));
 // launch() first closes the device's fusion window; launch_now() is the window's own.
-// small: work of a few microseconds, run at once on the calling thread if the device is idle.
-uint64_t launch(c10::DeviceIndex d, int64_t stream, const char* op, std::function<void()> run,
-                bool small = false);
+uint64_t launch(c10::DeviceIndex d, int64_t stream, const char* op, std::function<void()> run);
 uint64_t launch_now(c10::DeviceIndex d, int64_t stream, const char* op, std::function<void()> run);
+// Work of a few microseconds: run at once on the calling thread if the device is idle
+// (false, and nothing run, if it is busy). Errors are kept for the next wait, as queued ones.
+bool run_inline(c10::DeviceIndex d, int64_t stream, const char* op, c10::function_ref<void()> run);
 void synchronize(c10::DeviceIndex d);
 void synchronize_all();
 void synchronize_stream(c10::DeviceIndex d, int64_t stream);

@@ -57,27 +57,32 @@ class DeviceQueue {
  public:
   explicit DeviceQueue(c10::DeviceIndex d) : device_(d) {}
 
-  uint64_t launch(const char* op, int64_t stream, std::function<void()> run, bool small) {
+  // Runs `run` at once on the calling thread if the device is idle, as the executor would run
+  // it next; false (nothing run) if work is queued or running. Handing a small op over would
+  // cost more than the op (the two threads trading the queue's memory between cores), and
+  // there is nothing queued for it to overtake. The lock keeps the executor and other host
+  // threads out until it is done; an error is still raised at the next wait.
+  bool run_inline(const char* op, int64_t stream, c10::function_ref<void()> run) {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!items_.empty() || done_.load(std::memory_order_acquire) != launched_ ||
+        failed_.load(std::memory_order_relaxed)) {
+      return false;
+    }
+    uint64_t seq = ++launched_;
+    stream_last_[stream] = seq;
+    Site site;
+    execute(op, site, run, true);
+    executed_.fetch_add(1, std::memory_order_relaxed);
+    done_.store(seq, std::memory_order_release);
+    return true;
+  }
+
+  uint64_t launch(const char* op, int64_t stream, std::function<void()> run) {
     Item it;
     it.op = op;
     it.run = std::move(run);
-    std::unique_lock<std::mutex> lk(mu_);
-    if (small && items_.empty() && done_.load(std::memory_order_acquire) == launched_ &&
-        !failed_.load(std::memory_order_relaxed)) {
-      // The device is idle: a small op runs here, as the executor would run it next. Handing
-      // it over would cost more than the op (the two threads trading the queue's memory
-      // between cores), and there is nothing queued for it to overtake. The lock keeps the
-      // executor and other host threads out until it is done.
-      it.seq = ++launched_;
-      stream_last_[stream] = it.seq;
-      execute(it, true);
-      executed_.fetch_add(1, std::memory_order_relaxed);
-      done_.store(it.seq, std::memory_order_release);
-      return it.seq;
-    }
-    lk.unlock();
     if (g_capture) it.site = g_capture();
-    lk.lock();
+    std::unique_lock<std::mutex> lk(mu_);
     if (items_.size() >= kMaxQueued) {
       ++waiters_;
       release_gil_while([&] { room_.wait(lk, [&] { return items_.size() < kMaxQueued / 2; }); });
@@ -235,7 +240,7 @@ class DeviceQueue {
         queued_.store(items_.size(), std::memory_order_release);
         if (waiters_ && items_.size() < kMaxQueued / 2) room_.notify_all();
       }
-      if (!failed_.load(std::memory_order_relaxed)) execute(it, false);
+      if (!failed_.load(std::memory_order_relaxed)) execute(it.op, it.site, it.run, false);
       executed_.fetch_add(1, std::memory_order_relaxed);
       // The work's tensors are released by the host thread (at its next launch or wait):
       // freeing memory the host allocated from this thread would contend on malloc's arena.
@@ -263,11 +268,11 @@ class DeviceQueue {
 
   // Runs one piece of work; an error is kept, with the op and its launch site, for the next
   // wait to raise, and the work queued after it is skipped.
-  void execute(Item& it, bool holding_lock) {
+  void execute(const char* op, Site& site, c10::function_ref<void()> run, bool holding_lock) {
     Kind kind;
     std::string what;
     try {
-      it.run();
+      run();
       return;
     } catch (const c10::Error& e) {
       kind = kind_of(e), what = e.what_without_backtrace();
@@ -275,11 +280,11 @@ class DeviceQueue {
       kind = Kind::Error, what = e.what();
     }
     // Run here on the host (holding_lock), the launching Python frame is still current.
-    if (holding_lock && g_capture) it.site = g_capture();
-    std::string where = g_describe ? g_describe(it.site) : std::string();
+    if (holding_lock && g_capture) site = g_capture();
+    std::string where = g_describe ? g_describe(site) : std::string();
     std::unique_lock<std::mutex> g(mu_, std::defer_lock);
     if (!holding_lock) g.lock();
-    error_ = std::string("neuron: ") + it.op + (where.empty() ? "" : " launched at " + where) +
+    error_ = std::string("neuron: ") + op + (where.empty() ? "" : " launched at " + where) +
              " failed on the device (work queued after it was skipped): " + what;
     kind_ = kind;
     failed_.store(true, std::memory_order_release);
@@ -356,13 +361,17 @@ void set_site_hooks(Site (*capture)(), std::string (*describe)(const Site&)) {
 }
 
 uint64_t launch_now(c10::DeviceIndex d, int64_t stream, const char* op, std::function<void()> run) {
-  return get(d).launch(op, stream, std::move(run), false);
+  return get(d).launch(op, stream, std::move(run));
 }
 
-uint64_t launch(c10::DeviceIndex d, int64_t stream, const char* op, std::function<void()> run,
-                bool small) {
+uint64_t launch(c10::DeviceIndex d, int64_t stream, const char* op, std::function<void()> run) {
   fusion::flush(d);
-  return get(d).launch(op, stream, std::move(run), small);
+  return get(d).launch(op, stream, std::move(run));
+}
+
+bool run_inline(c10::DeviceIndex d, int64_t stream, const char* op, c10::function_ref<void()> run) {
+  fusion::flush(d);
+  return get(d).run_inline(op, stream, run);
 }
 
 void synchronize(c10::DeviceIndex d) {
