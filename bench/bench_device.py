@@ -145,9 +145,22 @@ def asynchronous(pairs):
             for _ in range(500):
                 x = torch.add(x, b).mul_(0.5).relu_()
         return loop
+    def big_ops():
+        # Memory-bound kernels run by the executor's parallel loop: a host spinning while it
+        # waits would take a core from them.
+        x = torch.randn(8192, 1024, device="neuron")
+        m = x.amax(-1, keepdim=True)
+        o = torch.empty_like(x)
+
+        def ops():
+            torch.sub(x, m, out=o)
+            x.amax(-1, keepdim=True)
+        return ops
     rows = []
     r, bl, asy = paired(_in_mode(small_ops, True), _in_mode(small_ops, False), pairs, 5)
     rows.append(("loop of 1500 small ops (64 elements)", bl, asy, r, "<= 1.0"))
+    r, bl, asy = paired(_in_mode(big_ops, True), _in_mode(big_ops, False), pairs, 10)
+    rows.append(("memory-bound ops (32 MB sub + row max)", bl, asy, r, "<= 1.0"))
     r, bl, asy = paired(_in_mode(lambda: gpt_step("neuron", False), True),
                         _in_mode(lambda: gpt_step("neuron", False), False), pairs, 3)
     rows.append(("GPT train step (h256, 4 layers, fp32)", bl, asy, r, "<= 1.0"))
