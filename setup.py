@@ -11,7 +11,7 @@ setup(
         CppExtension(
             "torch_neuronx._C",
             sources=["csrc/allocator.cpp", "csrc/device.cpp", "csrc/kernels.cpp", "csrc/launch.cpp", "csrc/module.cpp",
-                     "csrc/queue.cpp", "csrc/fusion.cpp", "csrc/fused_rows.cpp",
+                     "csrc/queue.cpp", "csrc/fusion.cpp", "csrc/fused_rows.cpp", "csrc/fused_exact.cpp",
                      "csrc/stream_check.cpp"],
             # OpenMP: at::parallel_for in our kernels (the fused ones) must really run in
             # parallel, and mark the region so the ATen kernels inside it run serially.

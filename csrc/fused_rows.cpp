@@ -13,14 +13,16 @@
 
 #include <algorithm>
 #include <array>
+#include <map>
 #include <set>
+#include <cstdlib>
 
 namespace neuron::fusion::detail {
 
 namespace {
 // Elements of the widest operand per block: the chain's blocks stay in cache, and ATen's
 // per-call cost (a few microseconds per op) stays small next to a block's work.
-constexpr int64_t kRowBlock = 131072;
+static const int64_t kRowBlock = getenv("NRB") ? atoll(getenv("NRB")) : 131072;
 // Every vectorized loop's stride (2 vectors of 64 bytes, for 1-byte dtypes 128 elements)
 // divides it: a loop started this many elements later lines its vectors up the same way.
 constexpr int64_t kAlign = 128;
@@ -53,6 +55,9 @@ struct RowPlan {
   std::vector<Val> vals;
   std::vector<View> views;
   std::vector<Step> steps;
+  std::vector<ExactRun> runs;
+  std::vector<std::vector<int64_t>> run_shape;  // each run's iteration shape
+  std::vector<int> run_at;                      // per step: the run starting there, or -1
   std::vector<int64_t> rows;  // the leading dims all operands share
   int bd = 0;                 // blocks cut this dim (all dims before it are taken one by one)
   int64_t len = 1, per_outer = 1, blocks = 0, numel = 0;
@@ -88,6 +93,50 @@ struct RowPlan {
 
 bool contiguous(const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides) {
   return c10::_compute_contiguous<int64_t>(sizes, strides, c10::multiply_integers(sizes));
+}
+
+// Stretches of exact fp32 pointwise steps of one iteration shape run as one pass over each
+// block. Their operands broadcast right-aligned to that shape.
+void plan_exact_runs(RowPlan& p, const std::vector<Op>& ops) {
+  std::vector<ExactStepInfo> info(p.steps.size());
+  std::map<std::vector<int64_t>, int> classes;
+  auto is_float = [&](int v) { return p.views[v].dtype == c10::kFloat; };
+  for (size_t k = 0; k < p.steps.size(); ++k) {
+    const RowPlan::Step& st = p.steps[k];
+    std::vector<int> view;
+    std::vector<const IValue*> constant;
+    bool aligned = st.out >= 0 && ops[k].shape.size() <= size_t(kMaxRowDims) + 1;
+    auto see = [&](int v) {
+      info[k].touched.push_back(p.views[v].val);
+      const auto& w = p.views[v];
+      aligned = aligned && w.shift + int(w.sizes.size()) == int(ops[k].shape.size());
+    };
+    for (const auto& a : st.args) {
+      if (a.list) {
+        for (int v : a.views) see(v);
+        aligned = false;
+      }
+      if (a.view >= 0) see(a.view);
+      view.push_back(a.list ? -2 : a.view);
+      constant.push_back(a.view >= 0 || a.list ? nullptr : &a.constant);
+    }
+    if (st.out >= 0) see(st.out);
+    // The written view holds the whole iteration shape.
+    aligned = aligned && p.views[st.out].sizes == ops[k].shape;
+    auto c = classes.emplace(ops[k].shape, int(classes.size())).first;
+    info[k].shape_class = c->second;
+    if (ops[k].exact && aligned) info[k].op = decode_exact(st.kernel.schema(), view, constant, st.out, is_float);
+  }
+  std::vector<int> value_of;
+  for (const auto& v : p.views) value_of.push_back(v.val);
+  std::vector<bool> dead;
+  for (const auto& v : p.vals) dead.push_back(v.dead);
+  p.runs = make_runs(info, value_of, dead);
+  p.run_at.assign(p.steps.size(), -1);
+  for (size_t r = 0; r < p.runs.size(); ++r) {
+    p.run_at[p.runs[r].first] = int(r);
+    p.run_shape.push_back(ops[p.runs[r].first].shape);
+  }
 }
 
 // The rows kernel for a window, or null when it could not be bit-identical to eager.
@@ -205,6 +254,7 @@ std::shared_ptr<RowPlan> make_row_plan(std::vector<Op>& ops,
       return nullptr;
     }
   }
+  plan_exact_runs(*p, ops);
   return p;
 }
 
@@ -220,6 +270,28 @@ bool plan_gains(const RowPlan& p) {
   std::vector<bool> dead;
   for (const auto& v : p.vals) dead.push_back(v.dead);
   return saves_traffic(touched, dead);
+}
+
+// Run r over the current block: its shape narrowed as the block narrows the window.
+void run_block(const RowPlan& p, int r, const std::vector<at::Tensor>& t, int64_t t0, int64_t t1) {
+  const ExactRun& run = p.runs[r];
+  std::vector<int64_t> shape = p.run_shape[r];
+  const int R = int(shape.size());
+  for (int m = 0; m < R && m <= p.bd && m < int(p.rows.size()); ++m) shape[m] = m < p.bd ? 1 : t1 - t0;
+  std::vector<ExactPlace> places(run.mem.size());
+  for (size_t q = 0; q < run.mem.size(); ++q) {
+    const at::Tensor& v = t[run.mem[q]];
+    const int rank = int(v.dim());
+    ExactPlace& pl = places[q];
+    pl.ptr = static_cast<float*>(v.data_ptr());
+    for (int m = 0; m < R; ++m) {
+      int j = m - (R - rank);
+      int64_t stride = (j >= 0 && v.size(j) != 1) ? v.stride(j) : 0;
+      if (m == R - 1) pl.col = stride;
+      else pl.row[m] = stride;
+    }
+  }
+  run_exact(run, places.data(), shape.data(), R - 1, shape[R - 1]);
 }
 
 void run_rows(const RowPlan& p) {
@@ -246,7 +318,13 @@ void run_rows(const RowPlan& p) {
         if (p.vals[v.val].dead) off = 0;
         t[i].unsafeGetTensorImpl()->set_sizes_and_strides(sizes, v.strides, off);
       }
-      for (const auto& s : p.steps) {
+      for (size_t k = 0; k < p.steps.size();) {
+        if (p.run_at[k] >= 0) {
+          run_block(p, p.run_at[k], t, t0, t1);
+          k += p.runs[p.run_at[k]].count;
+          continue;
+        }
+        const auto& s = p.steps[k++];
         torch::jit::Stack st;
         st.reserve(s.args.size() + 1);
         for (const auto& a : s.args) {
@@ -273,7 +351,7 @@ void flush_rows(c10::DeviceIndex d, int64_t stream, std::vector<Op>& ops,
                 const std::vector<std::vector<Ref>>& refs, const std::vector<int64_t>& shape) {
   auto plan = make_row_plan(ops, refs, shape);
   if (!plan || !plan_gains(*plan)) return launch_unfused(d, stream, ops);
-  count_fused(int64_t(ops.size()));
+  count_fused(int64_t(ops.size()), plan->runs);
   // One HBM round trip: what the window reads before writing it, and its live outputs.
   int64_t bytes_in = 0, bytes_out = 0;
   std::vector<bool> written(plan->vals.size(), false);

@@ -41,11 +41,12 @@ namespace neuron::fusion {
 namespace detail {
 
 std::atomic<int> g_enabled{-1};  // -1: not yet read from the environment
-std::atomic<int64_t> g_ops{0}, g_kernels{0}, g_fused_kernels{0}, g_fused_ops{0};
+std::atomic<int64_t> g_ops{0}, g_kernels{0}, g_fused_kernels{0}, g_fused_ops{0}, g_one_pass_ops{0};
 
-void count_fused(int64_t n_ops) {
+void count_fused(int64_t n_ops, const std::vector<ExactRun>& runs) {
   g_fused_kernels.fetch_add(1);
   g_fused_ops.fetch_add(n_ops);
+  for (const auto& r : runs) g_one_pass_ops.fetch_add(r.count);
 }
 
 constexpr size_t kMaxWindow = 16;
@@ -102,6 +103,8 @@ struct Plan {
   };
   std::vector<Value> values;
   std::vector<Step> steps;
+  std::vector<ExactRun> runs;
+  std::vector<int> run_at;  // per step: the run starting there, or -1
   int64_t numel = 0;
 };
 
@@ -171,6 +174,30 @@ Plan make_plan(std::vector<Op>& ops, const Refs& refs) {
     s.out = op.use_out ? value_of(op.outs[0]) : s.args[op.self].value;
     p.steps.push_back(std::move(s));
   }
+  // Stretches of exact fp32 steps run as one pass (every operand is contiguous, of one shape).
+  std::vector<ExactStepInfo> info(ops.size());
+  auto is_float = [&](int v) { return p.values[v].tensor.scalar_type() == c10::kFloat; };
+  for (size_t k = 0; k < ops.size(); ++k) {
+    const Plan::Step& st = p.steps[k];
+    std::vector<int> view;
+    std::vector<const IValue*> constant;
+    for (const auto& a : st.args) {
+      view.push_back(a.value);
+      constant.push_back(a.value >= 0 ? nullptr : &a.constant);
+      if (a.value >= 0) info[k].touched.push_back(a.value);
+    }
+    info[k].touched.push_back(st.out);
+    if (ops[k].exact) info[k].op = decode_exact(st.kernel.schema(), view, constant, st.out, is_float);
+  }
+  std::vector<int> identity(p.values.size());
+  std::vector<bool> dead_values;
+  for (size_t v = 0; v < p.values.size(); ++v) {
+    identity[v] = int(v);
+    dead_values.push_back(p.values[v].dead);
+  }
+  p.runs = make_runs(info, identity, dead_values);
+  p.run_at.assign(p.steps.size(), -1);
+  for (size_t r = 0; r < p.runs.size(); ++r) p.run_at[p.runs[r].first] = int(r);
   return p;
 }
 
@@ -231,7 +258,19 @@ void run_range(const Plan& p, int64_t begin, int64_t end) {
       views[i].unsafeGetTensorImpl()->set_sizes_and_strides(c10::IntArrayRef(size),
                                                              c10::IntArrayRef(stride), offset);
     }
-    for (const auto& s : p.steps) {
+    for (size_t k = 0; k < p.steps.size();) {
+      if (p.run_at[k] >= 0) {
+        const ExactRun& run = p.runs[p.run_at[k]];
+        std::vector<ExactPlace> places(run.mem.size());
+        for (size_t q = 0; q < run.mem.size(); ++q) {
+          places[q].ptr = views[run.mem[q]].data_ptr<float>();
+          places[q].col = 1;
+        }
+        run_exact(run, places.data(), nullptr, 0, len);
+        k += run.count;
+        continue;
+      }
+      const auto& s = p.steps[k++];
       torch::jit::Stack st;
       st.reserve(s.args.size() + 1);
       for (const auto& a : s.args) {
@@ -365,8 +404,9 @@ void flush_locked(c10::DeviceIndex d, Window& w) {
   }
   if (!foreach) ops = std::move(chains.front());
   if (!gains) return launch_unfused(d, w.stream, ops);
-  g_fused_kernels.fetch_add(1);
-  g_fused_ops.fetch_add(int64_t(ops.size()));
+  std::vector<ExactRun> runs;
+  for (const auto& plan : plans) runs.insert(runs.end(), plan->runs.begin(), plan->runs.end());
+  count_fused(int64_t(ops.size()), runs);
   // One HBM round trip: inputs read once, live outputs written once.
   int64_t bytes_in = 0, bytes_out = 0, numel = 0;
   for (const auto& plan : plans) {
@@ -502,8 +542,10 @@ void flush_all() {
 }
 
 Stats stats(bool reset) {
-  Stats s{g_ops.load(), g_kernels.load(), g_fused_kernels.load(), g_fused_ops.load()};
+  Stats s{g_ops.load(), g_kernels.load(), g_fused_kernels.load(), g_fused_ops.load(),
+          g_one_pass_ops.load()};
   if (reset) {
+    g_one_pass_ops.store(0);
     g_ops.store(0);
     g_kernels.store(0);
     g_fused_kernels.store(0);

@@ -3,6 +3,8 @@
 
 #include "neuron.h"
 
+#include <functional>
+#include <optional>
 #include <set>
 #include <unordered_map>
 #include <utility>
@@ -48,11 +50,65 @@ void launch_unfused(c10::DeviceIndex d, int64_t stream, std::vector<Op>& ops);
 // in-place updates). A chain with neither would only pay the blocking's per-call cost.
 // `touched[s]`: the values step s reads or writes.
 bool saves_traffic(const std::vector<std::set<int>>& touched, const std::vector<bool>& dead);
-void count_fused(int64_t n_ops);
 
 // fused_rows.cpp: runs a rows window as one row-blocked kernel, or unfused when that could
 // not be bit-identical to eager or would save nothing.
 void flush_rows(c10::DeviceIndex d, int64_t stream, std::vector<Op>& ops,
                 const std::vector<std::vector<Ref>>& refs, const std::vector<int64_t>& shape);
+
+// fused_exact.cpp: a run of consecutive IEEE-exact fp32 pointwise steps of one iteration
+// shape, evaluated in one pass over L1-sized tiles. Operands are the plan's views (or
+// values: whatever the plan numbers its memory operands by).
+struct ExactRun {
+  static constexpr int kMaxRegs = 16;
+  enum Code : uint8_t { kAdd, kSub, kMul, kDiv, kNeg, kAbs, kSquare, kReciprocal };
+  struct Src {
+    enum Kind : uint8_t { kReg, kMem, kScalar } kind = kScalar;
+    int index = 0;  // register, or memory operand
+    float scalar = 0;
+  };
+  struct Ins {
+    Code code;
+    Src a, b;
+    int reg;
+    int store = -1;  // memory operand the result is written to, if anyone reads it later
+  };
+  std::vector<Ins> ins;
+  std::vector<int> mem;  // the plan's view of each memory operand
+  int regs = 0;
+  int first = 0, count = 0;  // the plan steps the run replaces
+};
+// One step decoded: operands are views (>= 0) or scalars.
+struct ExactOp {
+  ExactRun::Code code;
+  int a = -1, b = -1;
+  float sa = 0, sb = 0;
+  int out = -1;
+};
+struct ExactStepInfo {
+  std::optional<ExactOp> op;  // none: the step runs as its ATen kernel
+  int shape_class = 0;        // a run's steps share their iteration shape
+  std::vector<int> touched;   // values the step reads or writes
+};
+// `view[i]`: schema argument i's view, or -1 with `constant[i]` its value (null if none).
+std::optional<ExactOp> decode_exact(const c10::FunctionSchema& s, const std::vector<int>& view,
+                                    const std::vector<const IValue*>& constant, int out,
+                                    const std::function<bool(int)>& is_float);
+// Runs over maximal stretches of decoded steps. value_of: each view's value; dead: values
+// nobody outside the kernel reads.
+std::vector<ExactRun> make_runs(const std::vector<ExactStepInfo>& steps,
+                                const std::vector<int>& value_of, const std::vector<bool>& dead);
+// Where a memory operand lies: its element (row 0, column 0), the stride of each row dim
+// (0 where it broadcasts) and of the column.
+constexpr int kMaxRowDims = 8;
+struct ExactPlace {
+  float* ptr;
+  int64_t col;
+  int64_t row[kMaxRowDims];
+};
+// A fused kernel of n_ops ops, some of them in one-pass runs.
+void count_fused(int64_t n_ops, const std::vector<ExactRun>& runs);
+// Evaluates the run over rows x width elements (rows: the sizes of up to kMaxRowDims dims).
+void run_exact(const ExactRun& r, const ExactPlace* places, const int64_t* rows, int nrows, int64_t width);
 
 }  // namespace neuron::fusion::detail

@@ -113,7 +113,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("_adaptive_eager_stats", [](bool reset) {
     auto s = neuron::fusion::stats(reset);
-    return std::make_tuple(s.ops, s.kernels, s.fused_kernels, s.fused_ops);
+    return std::make_tuple(s.ops, s.kernels, s.fused_kernels, s.fused_ops, s.one_pass_ops);
   }, pybind11::arg("reset") = false);
   m.def("_sync_op_counts", &neuron::sync_op_counts, pybind11::arg("reset") = false);
   m.def("_queue_counts", [](int d) { return neuron::queue::counts(static_cast<c10::DeviceIndex>(d)); });

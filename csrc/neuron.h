@@ -87,7 +87,7 @@ struct Op {
   int64_t bytes_in = 0, bytes_out = 0;
 };
 struct Stats {
-  int64_t ops, kernels, fused_kernels, fused_ops;
+  int64_t ops, kernels, fused_kernels, fused_ops, one_pass_ops;
 };
 bool enabled();
 void set_enabled(bool on);

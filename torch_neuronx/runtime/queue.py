@@ -49,11 +49,12 @@ def adaptive_eager_stats(reset: bool = False) -> dict:
     """Adaptive Eager Execution's counters since start (or the last reset).
 
     ``ops``: ops launched to the queues (before fusion); ``kernels``: kernels the queues ran
-    for them (after fusion); ``fused_kernels`` of those were fused, holding ``fused_ops``.
+    for them (after fusion); ``fused_kernels`` of those were fused, holding ``fused_ops``;
+    ``one_pass_ops`` of those ran as IEEE-exact fp32 arithmetic in one pass over the data.
     """
-    ops, kernels, fused_kernels, fused_ops = _C._adaptive_eager_stats(reset)
+    ops, kernels, fused_kernels, fused_ops, one_pass_ops = _C._adaptive_eager_stats(reset)
     return {"ops": ops, "kernels": kernels, "fused_kernels": fused_kernels,
-            "fused_ops": fused_ops}
+            "fused_ops": fused_ops, "one_pass_ops": one_pass_ops}
 
 
 def set_adaptive_eager(enabled: bool) -> None:

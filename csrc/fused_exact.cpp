@@ -1,0 +1,300 @@
+// Runs of IEEE-exact fp32 pointwise steps inside a fused kernel, evaluated in one pass over
+// L1-sized tiles instead of one ATen call (and one pass through memory) per step. Each
+// element's result is what ATen computes: the same single IEEE operation per step, no
+// fused multiply-add (the clones target AVX2 without FMA, so nothing can be contracted), and
+// scalars converted to float as ATen's TensorIterator converts them. Intermediates nobody
+// reads after the run stay in the tiles.
+#include "fusion_internal.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace neuron::fusion::detail {
+
+namespace {
+
+constexpr int kTile = 256;
+
+bool is_one(const IValue* v) {
+  return v && v->isScalar() && v->toScalar().equal(1);
+}
+
+// A non-tensor operand as the float ATen's fp32 kernel sees.
+bool scalar_of(const IValue* v, float& out) {
+  if (!v) return false;
+  if (v->isTensor()) {
+    const at::Tensor& t = v->toTensor();
+    if (!t.defined() || t.dim() != 0 || !t.device().is_cpu()) return false;
+    if (c10::isIntegralType(t.scalar_type(), /*includeBool=*/false)) {
+      out = static_cast<float>(t.item<int64_t>());
+      return true;
+    }
+    if (!c10::isFloatingType(t.scalar_type())) return false;
+    out = static_cast<float>(t.item<double>());
+    return true;
+  }
+  if (!v->isScalar()) return false;
+  const c10::Scalar s = v->toScalar();
+  if (s.isIntegral(/*includeBool=*/false)) {
+    out = static_cast<float>(s.toLong());
+    return true;
+  }
+  if (!s.isFloatingPoint()) return false;
+  out = static_cast<float>(s.toDouble());
+  return true;
+}
+
+}  // namespace
+
+std::optional<ExactOp> decode_exact(const c10::FunctionSchema& s, const std::vector<int>& view,
+                                    const std::vector<const IValue*>& constant, int out,
+                                    const std::function<bool(int)>& is_float) {
+  using C = ExactRun::Code;
+  const std::string& name = s.name();
+  const std::string& ov = s.overload_name();
+  if (out < 0 || !is_float(out)) return std::nullopt;
+  ExactOp op;
+  op.out = out;
+  auto operand = [&](size_t i, int& v, float& sc) {
+    if (i >= view.size()) return false;
+    if (view[i] >= 0) {
+      v = view[i];
+      return is_float(v);
+    }
+    return scalar_of(constant[i], sc);
+  };
+  auto arg = [&](size_t i) -> const IValue* { return i < constant.size() ? constant[i] : nullptr; };
+  auto binary = [&](C code) {
+    op.code = code;
+    return operand(0, op.a, op.sa) && operand(1, op.b, op.sb) && (op.a >= 0 || op.b >= 0);
+  };
+  auto unary = [&](C code) {
+    op.code = code;
+    return view.size() >= 1 && view[0] >= 0 && is_float(view[0]) && ((op.a = view[0]), true);
+  };
+  auto base = [](const std::string& n) { return n.back() == '_' ? n.substr(0, n.size() - 1) : n; };
+  const std::string b = base(name);
+  bool ok = false;
+  if (b == "aten::add" || b == "aten::sub") {
+    // `self + alpha * other`: one fused multiply-add in ATen's vector loop unless alpha is 1.
+    ok = (ov == "Tensor" || ov == "out" || ov == "Scalar" || ov == "Scalar_out") && is_one(arg(2)) &&
+         binary(b == "aten::add" ? C::kAdd : C::kSub);
+  } else if (b == "aten::mul") {
+    ok = (ov == "Tensor" || ov == "out" || ov == "Scalar" || ov == "Scalar_out") && binary(C::kMul);
+  } else if (b == "aten::div") {
+    ok = (ov == "Tensor" || ov == "out" || ov == "Scalar" || ov == "Scalar_out") && binary(C::kDiv);
+  } else if (b == "aten::pow") {
+    float e = 0;
+    ok = (ov == "Tensor_Scalar" || ov == "Tensor_Scalar_out" || ov == "Scalar") && scalar_of(arg(1), e) &&
+         e == 2.0f && unary(C::kSquare);
+  } else if (ov.empty() || ov == "out") {
+    if (b == "aten::neg") ok = unary(C::kNeg);
+    else if (b == "aten::abs") ok = unary(C::kAbs);
+    // (Not sqrt or rsqrt: of a negative number ATen's kernels give +NaN, the CPU's
+    // instruction -NaN.)
+    else if (b == "aten::reciprocal") ok = unary(C::kReciprocal);
+  }
+  if (!ok) return std::nullopt;
+  return op;
+}
+
+std::vector<ExactRun> make_runs(const std::vector<ExactStepInfo>& steps,
+                                const std::vector<int>& value_of, const std::vector<bool>& dead) {
+  const int n_values = int(dead.size());
+  std::vector<ExactRun> runs;
+  const size_t n = steps.size();
+  size_t i = 0;
+  while (i < n) {
+    if (!steps[i].op) {
+      ++i;
+      continue;
+    }
+    size_t j = i;
+    while (j < n && steps[j].op && steps[j].shape_class == steps[i].shape_class &&
+           int(j - i) < ExactRun::kMaxRegs) {
+      ++j;
+    }
+    ExactRun r;
+    r.first = int(i);
+    r.count = int(j - i);
+    std::vector<int> reg_of(n_values, -1), mem_of(n_values, -1), last_write(n_values, -1);
+    auto mem = [&](int view) {
+      for (size_t k = 0; k < r.mem.size(); ++k) {
+        if (r.mem[k] == view) return int(k);
+      }
+      r.mem.push_back(view);
+      return int(r.mem.size()) - 1;
+    };
+    for (size_t k = i; k < j; ++k) {
+      const ExactOp& op = *steps[k].op;
+      auto src = [&](int view, float scalar) {
+        ExactRun::Src s;
+        if (view < 0) {
+          s.kind = ExactRun::Src::kScalar;
+          s.scalar = scalar;
+          return s;
+        }
+        int v = value_of[view];
+        if (reg_of[v] >= 0) {
+          s.kind = ExactRun::Src::kReg;
+          s.index = reg_of[v];
+        } else {
+          s.kind = ExactRun::Src::kMem;
+          s.index = mem(view);
+        }
+        return s;
+      };
+      ExactRun::Ins ins;
+      ins.code = op.code;
+      ins.a = src(op.a, op.sa);
+      ins.b = src(op.b, op.sb);
+      ins.reg = r.regs++;
+      int v = value_of[op.out];
+      reg_of[v] = ins.reg;
+      last_write[v] = int(r.ins.size());
+      mem_of[v] = op.out;
+      r.ins.push_back(ins);
+    }
+    // A value is stored by its last write in the run if the program may read it, or a step
+    // after the run touches it.
+    std::vector<bool> later(n_values, false);
+    for (size_t k = j; k < n; ++k) {
+      for (int v : steps[k].touched) later[v] = true;
+    }
+    for (int v = 0; v < n_values; ++v) {
+      if (last_write[v] >= 0 && (!dead[v] || later[v])) r.ins[last_write[v]].store = mem(mem_of[v]);
+    }
+    runs.push_back(std::move(r));
+    i = j;
+  }
+  return runs;
+}
+
+namespace {
+
+// A select by bit mask: no branch for the vectorizer (and both values are computed anyway).
+inline float pick(bool c, float a, float b) {
+  uint32_t ia, ib;
+  std::memcpy(&ia, &a, 4);
+  std::memcpy(&ib, &b, 4);
+  const uint32_t m = 0u - uint32_t(c);
+  const uint32_t r = (ia & m) | (ib & ~m);
+  float out;
+  std::memcpy(&out, &r, 4);
+  return out;
+}
+
+template <class F>
+inline void binary(const float* A, float sa, const float* B, float sb, float* D, int n, F f) {
+  if (A && B) {
+#pragma omp simd
+    for (int k = 0; k < n; ++k) D[k] = f(A[k], B[k]);
+  } else if (A) {
+#pragma omp simd
+    for (int k = 0; k < n; ++k) D[k] = f(A[k], sb);
+  } else if (B) {
+#pragma omp simd
+    for (int k = 0; k < n; ++k) D[k] = f(sa, B[k]);
+  } else {
+    const float x = f(sa, sb);
+    for (int k = 0; k < n; ++k) D[k] = x;
+  }
+}
+
+template <class F>
+inline void unary(const float* A, float sa, float* D, int n, F f) {
+  if (A) {
+#pragma omp simd
+    for (int k = 0; k < n; ++k) D[k] = f(A[k]);
+  } else {
+    const float x = f(sa);
+    for (int k = 0; k < n; ++k) D[k] = x;
+  }
+}
+
+// Cloned for AVX2 without FMA: nothing can be contracted into a fused multiply-add.
+__attribute__((target_clones("avx2", "default")))
+void compute(ExactRun::Code c, const float* A, float sa, const float* B, float sb, float* D, int n) {
+  using C = ExactRun::Code;
+  switch (c) {
+    // Two NaN operands: ATen's kernels return other's (quieted) for +, -, * and self's for /,
+    // whichever operand order the compiler picks for the instruction. (y + y quiets y.)
+    case C::kAdd: return binary(A, sa, B, sb, D, n, [](float x, float y) { return pick(y != y, y + y, x + y); });
+    case C::kSub: return binary(A, sa, B, sb, D, n, [](float x, float y) { return pick(y != y, y + y, x - y); });
+    case C::kMul: return binary(A, sa, B, sb, D, n, [](float x, float y) { return pick(y != y, y + y, x * y); });
+    case C::kDiv: return binary(A, sa, B, sb, D, n, [](float x, float y) { return pick(x != x, x + x, x / y); });
+    case C::kNeg: return unary(A, sa, D, n, [](float x) { return -x; });
+    case C::kAbs: return unary(A, sa, D, n, [](float x) { return std::fabs(x); });
+    case C::kSquare: return unary(A, sa, D, n, [](float x) { return x * x; });
+    case C::kReciprocal: return unary(A, sa, D, n, [](float x) { return 1.0f / x; });
+  }
+}
+
+}  // namespace
+
+void run_exact(const ExactRun& r, const ExactPlace* places, const int64_t* rows, int nrows, int64_t width) {
+  alignas(64) float reg[ExactRun::kMaxRegs][kTile];
+  float* at[ExactRun::kMaxRegs];  // where each register's tile is: its own, or stored memory
+  alignas(64) float gather[2][kTile];
+  const size_t m = r.mem.size();
+  float* row_ptr[64];
+  TORCH_CHECK(m <= 64, "neuron: internal error: too many operands in an exact run");
+  int64_t total = 1;
+  for (int d = 0; d < nrows; ++d) total *= rows[d];
+  int64_t idx[kMaxRowDims] = {};
+  for (int64_t row = 0; row < total; ++row) {
+    for (size_t p = 0; p < m; ++p) {
+      int64_t off = 0;
+      for (int d = 0; d < nrows; ++d) off += idx[d] * places[p].row[d];
+      row_ptr[p] = places[p].ptr + off;
+    }
+    for (int64_t j0 = 0; j0 < width; j0 += kTile) {
+      const int n = int(std::min<int64_t>(kTile, width - j0));
+      for (const auto& in : r.ins) {
+        int g = 0;
+        auto fetch = [&](const ExactRun::Src& s, float& sc) -> const float* {
+          switch (s.kind) {
+            case ExactRun::Src::kReg:
+              return at[s.index];
+            case ExactRun::Src::kScalar:
+              sc = s.scalar;
+              return nullptr;
+            default: {
+              const ExactPlace& P = places[s.index];
+              const float* p = row_ptr[s.index];
+              if (P.col == 1) return p + j0;
+              if (P.col == 0) {
+                sc = p[0];
+                return nullptr;
+              }
+              float* t = gather[g++];
+              for (int k = 0; k < n; ++k) t[k] = p[(j0 + k) * P.col];
+              return t;
+            }
+          }
+        };
+        float sa = 0, sb = 0;
+        const float* A = fetch(in.a, sa);
+        const float* B = fetch(in.b, sb);
+        // A stored contiguous result is computed in place: in-run readers take it from there.
+        const bool direct = in.store >= 0 && places[in.store].col == 1;
+        float* D = direct ? row_ptr[in.store] + j0 : reg[in.reg];
+        at[in.reg] = D;
+        compute(in.code, A, sa, B, sb, D, n);
+        if (in.store >= 0 && !direct) {
+          // Written values have the run's full shape: a column stride of 0 means width 1.
+          float* p = row_ptr[in.store];
+          for (int k = 0; k < n; ++k) p[(j0 + k) * places[in.store].col] = D[k];
+        }
+      }
+    }
+    for (int d = nrows - 1; d >= 0; --d) {
+      if (++idx[d] < rows[d]) break;
+      idx[d] = 0;
+    }
+  }
+}
+
+}  // namespace neuron::fusion::detail

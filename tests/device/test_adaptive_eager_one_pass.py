@@ -1,0 +1,134 @@
+"""Adaptive Eager one-pass runs: stretches of IEEE-exact fp32 arithmetic inside a fused kernel
+(add, sub, mul, div, neg, abs, x**2, reciprocal) are evaluated in one pass over small tiles
+instead of one ATen call each. Results must be CPU's bit for bit, NaN payloads and signs,
+infinities and signed zeros included, whatever the operands: broadcast rows and columns,
+strided views, Python and 0-dim tensor scalars, in-place chains and kept intermediates."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_neuronx
+
+N = "neuron"
+
+
+def _bits(t):
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _check(program, *inputs):
+    """Runs `program` on CPU and twice on neuron (the first run teaches signatures); returns
+    the second run's one-pass op count after checking every output bit for bit."""
+    want = program(*inputs)
+    dev = [t.to(N) for t in inputs]
+    program(*dev)
+    torch.neuron.synchronize()
+    torch_neuronx.adaptive_eager_stats(reset=True)
+    got = program(*dev)
+    torch.neuron.synchronize()
+    one_pass = torch_neuronx.adaptive_eager_stats()["one_pass_ops"]
+    for k, (g, w) in enumerate(zip(got, want)):
+        assert g.dtype == w.dtype and g.shape == w.shape, k
+        assert torch.equal(_bits(g.cpu().contiguous()), _bits(w.contiguous())), f"output {k} differs"
+    return one_pass
+
+
+def _specials(shape):
+    """Normal values with NaNs of several payloads and both signs, infinities and -0.0."""
+    torch.manual_seed(0)
+    a, b = torch.randn(shape), torch.randn(shape)
+    ai, bi = a.view(-1).view(torch.int32), b.view(-1).view(torch.int32)
+    ai[::3] = 0x7FC00001
+    bi[::3] = 0x7FC00002
+    bi[1::5] = -0x3FFFFD  # 0xffc00003: a negative NaN
+    a.view(-1)[2::7] = float("inf")
+    b.view(-1)[2::7] = float("-inf")
+    a.view(-1)[4::11] = -0.0
+    b.view(-1)[5::13] = 0.0
+    return a, b
+
+
+def _arith(a, b):
+    c = a + b
+    d = b - a
+    e = a * b
+    f = (b / a) - a
+    g = (-a).abs() * (1 / b)
+    h = a.pow(2) - b
+    return [c * 1.5, d + 2, e - 1, f * 3, g + 0, h * 1]
+
+
+@pytest.mark.parametrize("shape", [(1 << 18,), (300, 1024), (7, 40000)])
+def test_special_values_match_cpu_in_pure_windows(shape):
+    assert _check(_arith, *_specials(shape)) > 0
+
+
+def test_special_values_match_cpu_with_row_broadcasts():
+    a, b = _specials((512, 1024))
+    w = torch.randn(1024)
+
+    def program(a, b, w):
+        r = a.amax(-1, keepdim=True)  # a per-row value (NaN rows included)
+        return [(a - r) * w + b / 3, (b + r) * (w - a), (a * b).sum(-1, keepdim=True) / r]
+    assert _check(program, a, b, w) > 0
+
+
+def test_scalars_of_every_kind_match_cpu():
+    torch.manual_seed(1)
+    x = torch.randn(256, 1024)
+
+    def program(x):
+        t64 = torch.tensor(0.1, dtype=torch.float64)  # rounds to float as ATen rounds it
+        ti = torch.tensor(3)
+        y = x * 0.7978845608 + 1
+        z = (y / ti - t64) * 3 + x / 7.0
+        return [z, 2 - z, z.pow(2) * 1e-3]
+    assert _check(program, x) > 0
+
+
+def test_in_place_chains_and_kept_intermediates_match_cpu():
+    torch.manual_seed(2)
+    x = torch.randn(512, 1024)
+
+    def program(x):
+        y = x.clone()
+        y.mul_(2).add_(1).neg_()
+        kept = y * x  # held by the program: must reach memory
+        out = (kept + 1) * (kept - 1)
+        y.div_(3)
+        return [y, kept, out]
+    assert _check(program, x) > 0
+
+
+def test_strided_views_and_several_row_dims_match_cpu():
+    torch.manual_seed(3)
+    x = torch.randn(64, 16, 1024)
+    w = torch.randn(512)
+
+    def program(x, w):
+        h1, h2 = x[..., ::2], x[..., 1::2]  # column stride 2
+        r = x.mean(-1, keepdim=True)
+        rot = torch.cat([h1 * w - h2 * 2, h2 * w + h1 / 3], -1)
+        return [rot, (x - r) * (x + r)]
+    assert _check(program, x, w) > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reduced_precision_stays_on_aten_kernels(dtype):
+    torch.manual_seed(4)
+    x = torch.randn(256, 1024).to(dtype)
+
+    def program(x):
+        return [(x * 3 + 1) * (x - 2)]
+    # bf16/fp16 round after every op as ATen's kernels do; one-pass runs are fp32 only.
+    assert _check(program, x) == 0
+
+
+def test_off_switch_leaves_results_identical():
+    a, b = _specials((300, 1024))
+    torch_neuronx.set_adaptive_eager(False)
+    try:
+        assert _check(_arith, a, b) == 0
+    finally:
+        torch_neuronx.set_adaptive_eager(True)
