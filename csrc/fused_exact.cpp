@@ -87,7 +87,7 @@ std::optional<ExactOp> decode_exact(const c10::FunctionSchema& s, const std::vec
     ok = (ov == "Tensor" || ov == "out" || ov == "Scalar" || ov == "Scalar_out") && binary(C::kDiv);
   } else if (b == "aten::pow") {
     float e = 0;
-    ok = (ov == "Tensor_Scalar" || ov == "Tensor_Scalar_out" || ov == "Scalar") && scalar_of(arg(1), e) &&
+    ok = (ov == "Tensor_Scalar" || ov == "Tensor_Scalar_out") && scalar_of(arg(1), e) &&
          e == 2.0f && unary(C::kSquare);
   } else if (ov.empty() || ov == "out") {
     if (b == "aten::neg") ok = unary(C::kNeg);

@@ -399,8 +399,8 @@ std::optional<Entry> learn(const c10::OperatorHandle& op, const Plan& plan,
   try {
     c10::impl::ExcludeDispatchKeyGuard no_autograd(c10::autograd_dispatch_keyset_with_ADInplaceOrView);
     op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), &ms);
-    } catch (const std::exception& e) {
-      return std::nullopt;  // no Meta kernel, or bad arguments: the synchronous path reports it
+  } catch (const std::exception& e) {
+    return std::nullopt;  // no Meta kernel, or bad arguments: the synchronous path reports it
   }
   Entry e;
   for (size_t i = 0; i < args.size(); ++i) {
@@ -424,7 +424,7 @@ std::optional<Entry> learn(const c10::OperatorHandle& op, const Plan& plan,
         e.outs.push_back({{}, {}, c10::kFloat, false});
         return true;
       }
-          if (t.device().type() != c10::kMeta || t.layout() != c10::kStrided) return false;
+      if (t.device().type() != c10::kMeta || t.layout() != c10::kStrided) return false;
       e.outs.push_back({t.sizes().vec(), t.strides().vec(), t.scalar_type(), true});
       return true;
     };
@@ -844,7 +844,7 @@ bool try_launch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   }
   if (!entry) {
     auto learned = learn(op, plan, *stack, base);
-      auto e = std::make_shared<Entry>(learned ? std::move(*learned) : Entry{});
+    auto e = std::make_shared<Entry>(learned ? std::move(*learned) : Entry{});
     e->key.assign(a.key.begin(), a.key.end());
     if (learned) {
       auto p = std::make_shared<Pending>();
