@@ -375,7 +375,7 @@ void flush_rows(c10::DeviceIndex d, int64_t stream, std::vector<Op>& ops,
   record_fused(d, ops.front().dtype, plan->numel, int64_t(ops.size()), bytes_in, bytes_out);
   // The kernel holds CPU storages over the device memory; the allocator keeps blocks freed
   // after the launch out of reuse until it has run.
-  queue::launch_now(d, stream, "neuron::fused_rows", [plan] { run_rows(*plan); });
+  queue::launch_now(d, stream, "neuron::fused_rows", [plan] { run_rows(*plan); }, bytes_in + bytes_out);
 }
 
 }  // namespace neuron::fusion::detail

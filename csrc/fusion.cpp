@@ -362,7 +362,7 @@ void launch_unfused(c10::DeviceIndex d, int64_t stream, std::vector<Op>& ops) {
   g_kernels.fetch_add(int64_t(ops.size()) - 1);
   for (auto& op : ops) {
     record_op(op.name, d, op.dtype, op.shape_tensors, op.bytes_in, op.bytes_out);
-    queue::launch_now(d, stream, op.name, std::move(op.run));
+    queue::launch_now(d, stream, op.name, std::move(op.run), op.bytes_in + op.bytes_out);
   }
 }
 
@@ -377,7 +377,7 @@ void flush_locked(c10::DeviceIndex d, Window& w) {
   if (ops.size() == 1) {
     Op& op = ops.front();
     record_op(op.name, d, op.dtype, op.shape_tensors, op.bytes_in, op.bytes_out);
-    queue::launch_now(d, w.stream, op.name, std::move(op.run));
+    queue::launch_now(d, w.stream, op.name, std::move(op.run), op.bytes_in + op.bytes_out);
     return;
   }
   if (w.kind == Window::Kind::kRows) return flush_rows(d, w.stream, ops, refs, w.shape);
@@ -448,7 +448,7 @@ void flush_locked(c10::DeviceIndex d, Window& w) {
         for (int64_t t = t0; t < t1; ++t) run_range(*plan, ranges[t].first, ranges[t].second);
       });
     }
-  });
+  }, bytes_in + bytes_out);
   hold.clear();
   chains.clear();
   ops.clear();
@@ -513,7 +513,7 @@ void append(c10::DeviceIndex d, int64_t stream, Op op) {
     if (mine == K::kRows && op.numel < kGrain) {
       g_kernels.fetch_add(1, std::memory_order_relaxed);
       record_op(op.name, d, op.dtype, op.shape_tensors, op.bytes_in, op.bytes_out);
-      queue::launch_now(d, stream, op.name, std::move(op.run));
+      queue::launch_now(d, stream, op.name, std::move(op.run), op.bytes_in + op.bytes_out);
       return;
     }
     w.stream = stream;

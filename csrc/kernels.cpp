@@ -284,7 +284,7 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
     if (!from_dev) src_h = src_h.clone();
     fusion::count_launch();
     queue::launch(d, current_stream_id(d), "aten::copy_",
-                  [dst_h, src_h]() mutable { dst_h.copy_(src_h); });
+                  [dst_h, src_h]() mutable { dst_h.copy_(src_h); }, 2 * nbytes(dst_h));
   } else {
     if (from_dev || to_dev) queue::synchronize_all();
     dst_h.copy_(src_h);

@@ -1025,7 +1025,7 @@ bool try_launch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   if (!ran) run = make_run();
   stack->erase(stack->begin() + base, stack->end());
   for (auto& r : results) stack->push_back(std::move(r));
-  if (!ran) queue::launch(a.device, stream_id, name, std::move(run));
+  if (!ran) queue::launch(a.device, stream_id, name, std::move(run), a.bytes_in + bytes_out);
   return true;
 }
 

@@ -124,8 +124,13 @@ void enter_sync();  // host code reading device memory directly (compiled graphs
 void exit_sync();
 void set_site_hooks(Site (*capture)(), std::string (*describe)(const Site&));
 // launch() first closes the device's fusion window; launch_now() is the window's own.
-uint64_t launch(c10::DeviceIndex d, int64_t stream, const char* op, std::function<void()> run);
-uint64_t launch_now(c10::DeviceIndex d, int64_t stream, const char* op, std::function<void()> run);
+// bytes: the memory the work reads and writes. A host waiting for the device spins while
+// small work runs and sleeps while large work runs (spinning would take a core from its
+// parallel loop).
+uint64_t launch(c10::DeviceIndex d, int64_t stream, const char* op, std::function<void()> run,
+                int64_t bytes = 0);
+uint64_t launch_now(c10::DeviceIndex d, int64_t stream, const char* op, std::function<void()> run,
+                    int64_t bytes = 0);
 // Work of a few microseconds: run at once on the calling thread if the device is idle
 // (false, and nothing run, if it is busy). Errors are kept for the next wait, as queued ones.
 bool run_inline(c10::DeviceIndex d, int64_t stream, const char* op, c10::function_ref<void()> run);

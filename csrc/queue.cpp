@@ -46,18 +46,22 @@ Kind kind_of(const c10::Error& e) {
 struct Item {
   uint64_t seq = 0;
   const char* op = nullptr;
+  int64_t bytes = 0;
   Site site;
   std::function<void()> run;
 };
 
 // Bounded like a hardware launch queue: a host that runs far ahead waits for room.
 constexpr size_t kMaxQueued = 4096;
+// Work touching this much memory runs long enough (~100 us) that a host waiting for it sleeps.
+constexpr int64_t kBigBytes = int64_t(2) << 20;
+constexpr int64_t kHostSpinMicros = 2000;  // at most, while small work runs
+constexpr int64_t kIdleSpinMicros = 30;    // the executor, for the next launch
 
-// Spins (yielding) until `ready` or for kSpinMicros; whether it became ready.
-constexpr int64_t kSpinMicros = 30;
+// Spins (yielding) until `ready` or for `micros`; whether it became ready.
 template <class F>
-bool spin_until(F&& ready) {
-  auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
+bool spin_until(F&& ready, int64_t micros) {
+  auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(micros);
   for (int i = 0;; ++i) {
     if (ready()) return true;
     if ((i & 15) == 15 && std::chrono::steady_clock::now() > until) return false;
@@ -89,9 +93,10 @@ class DeviceQueue {
     return true;
   }
 
-  uint64_t launch(const char* op, int64_t stream, std::function<void()> run) {
+  uint64_t launch(const char* op, int64_t stream, std::function<void()> run, int64_t bytes) {
     Item it;
     it.op = op;
+    it.bytes = bytes;
     it.run = std::move(run);
     if (g_capture) it.site = g_capture();
     std::unique_lock<std::mutex> lk(mu_);
@@ -140,10 +145,10 @@ class DeviceQueue {
 
   void wait_quietly(uint64_t seq) {
     if (!done(seq)) {
-      // The executor often finishes within microseconds: spin a little before sleeping, but
-      // not for long: a spinning host takes a core from the executor's parallel kernels
-      // (a memory-bound op then ran 2-3x slower than on the host thread).
-      spin_until([&] { return done(seq); });
+      // Small work finishes sooner than a sleeping host wakes up: spin while it runs. Large
+      // work runs a parallel loop over every core, and a spinning host would take one from
+      // it (memory-bound ops ran 2-3x slower than on the host thread): sleep.
+      spin_until([&] { return done(seq) || big_.load(std::memory_order_relaxed); }, kHostSpinMicros);
       if (!done(seq)) {
         std::unique_lock<std::mutex> lk(mu_);
         ++waiters_;
@@ -238,7 +243,7 @@ class DeviceQueue {
           lk.unlock();
           // Launches come in bursts: spin briefly before sleeping so a burst is not
           // paid for with one wake-up per op.
-          spin_until([&] { return pending_hint(); });
+          spin_until([&] { return pending_hint(); }, kIdleSpinMicros);
           lk.lock();
           while (items_.empty()) {
             sleeping_ = true;
@@ -251,7 +256,9 @@ class DeviceQueue {
         queued_.store(items_.size(), std::memory_order_release);
         if (waiters_ && items_.size() < kMaxQueued / 2) room_.notify_all();
       }
+      big_.store(it.bytes >= kBigBytes, std::memory_order_relaxed);
       if (!failed_.load(std::memory_order_relaxed)) execute(it.op, it.site, it.run, false);
+      big_.store(false, std::memory_order_relaxed);
       executed_.fetch_add(1, std::memory_order_relaxed);
       // The work's tensors are released by the host thread (at its next launch or wait):
       // freeing memory the host allocated from this thread would contend on malloc's arena.
@@ -315,6 +322,7 @@ class DeviceQueue {
   bool sleeping_ = false;
   int waiters_ = 0;
   std::atomic<bool> failed_{false};
+  std::atomic<bool> big_{false};  // the executor is running large work
   std::string error_;
   Kind kind_ = Kind::Error;
   std::vector<std::string> warnings_;
@@ -371,13 +379,15 @@ void set_site_hooks(Site (*capture)(), std::string (*describe)(const Site&)) {
   g_describe = describe;
 }
 
-uint64_t launch_now(c10::DeviceIndex d, int64_t stream, const char* op, std::function<void()> run) {
-  return get(d).launch(op, stream, std::move(run));
+uint64_t launch_now(c10::DeviceIndex d, int64_t stream, const char* op, std::function<void()> run,
+                    int64_t bytes) {
+  return get(d).launch(op, stream, std::move(run), bytes);
 }
 
-uint64_t launch(c10::DeviceIndex d, int64_t stream, const char* op, std::function<void()> run) {
+uint64_t launch(c10::DeviceIndex d, int64_t stream, const char* op, std::function<void()> run,
+                int64_t bytes) {
   fusion::flush(d);
-  return get(d).launch(op, stream, std::move(run));
+  return get(d).launch(op, stream, std::move(run), bytes);
 }
 
 bool run_inline(c10::DeviceIndex d, int64_t stream, const char* op, c10::function_ref<void()> run) {
