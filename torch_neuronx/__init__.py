@@ -51,15 +51,23 @@ def _stop_autograd_workers() -> None:
     import os
     import time
     _C._stop_autograd_workers()
-    deadline = time.monotonic() + 2.0
-    while time.monotonic() < deadline:
-        try:
-            names = [open(f"/proc/self/task/{t}/comm").read() for t in os.listdir("/proc/self/task")]
-        except OSError:
-            return
-        if not any(n.startswith("pt_autograd") for n in names):
-            return
-        time.sleep(0.002)  # releases the GIL the exiting workers need
+
+    def workers_left() -> bool:
+        for t in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{t}/comm") as f:
+                    if f.read().startswith("pt_autograd"):
+                        return True
+            except OSError:
+                continue  # a thread that exited between the listing and the read
+        return False
+
+    deadline = time.monotonic() + 10.0
+    try:
+        while workers_left() and time.monotonic() < deadline:
+            time.sleep(0.002)  # releases the GIL the exiting workers need
+    except OSError:
+        return  # no /proc: nothing to watch
 
 
 _register()
