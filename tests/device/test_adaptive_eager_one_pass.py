@@ -132,3 +132,16 @@ def test_off_switch_leaves_results_identical():
         assert _check(_arith, a, b) == 0
     finally:
         torch_neuronx.set_adaptive_eager(True)
+
+
+@pytest.mark.parametrize("shape", [(512, 1024), (64, 16, 1024), (3, 129, 128)])
+def test_per_row_values_without_the_last_dim_match_cpu(shape):
+    torch.manual_seed(5)
+    x = torch.randn(shape)
+
+    def program(x):
+        s = x.sum(-1)  # rank one less than the window: its blocks are narrowed row ranges
+        t = s * 2 + 1
+        u = x * 3 - 1
+        return [t, u.amax(-1) / t - s, u]
+    assert _check(program, x) > 0
