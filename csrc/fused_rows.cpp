@@ -58,6 +58,7 @@ struct RowPlan {
   std::vector<ExactRun> runs;
   std::vector<std::vector<int64_t>> run_shape;  // each run's iteration shape
   std::vector<int> run_at;                      // per step: the run starting there, or -1
+  std::vector<bool> folded;                     // per step: a cat its inputs' runs wrote
   std::vector<int64_t> rows;  // the leading dims all operands share
   int bd = 0;                 // blocks cut this dim (all dims before it are taken one by one)
   int64_t len = 1, per_outer = 1, blocks = 0, numel = 0;
@@ -136,6 +137,67 @@ void plan_exact_runs(RowPlan& p, const std::vector<Op>& ops) {
   for (size_t r = 0; r < p.runs.size(); ++r) {
     p.run_at[p.runs[r].first] = int(r);
     p.run_shape.push_back(ops[p.runs[r].first].shape);
+  }
+}
+
+bool same_view(const RowPlan::View& a, const RowPlan::View& b) {
+  return a.val == b.val && a.sizes == b.sizes && a.strides == b.strides && a.offset == b.offset &&
+         a.shift == b.shift && a.dtype == b.dtype;
+}
+
+// A last-dim cat of values only one-pass runs wrote, and only the cat reads, needs no copy: the
+// runs store each input straight into its slice of the (live) output.
+void fold_cats(RowPlan& p) {
+  p.folded.assign(p.steps.size(), false);
+  std::vector<int> touches(p.vals.size(), 0);
+  for (const auto& st : p.steps) {
+    std::set<int> mine;
+    for (const auto& a : st.args) {
+      if (a.view >= 0) mine.insert(p.views[a.view].val);
+      for (int v : a.views) mine.insert(p.views[v].val);
+    }
+    if (st.out >= 0) mine.insert(p.views[st.out].val);
+    for (int v : mine) ++touches[v];
+  }
+  for (size_t k = 0; k < p.steps.size(); ++k) {
+    const RowPlan::Step& st = p.steps[k];
+    if (st.kernel.schema().name() != "aten::cat" || !st.use_out || st.args.empty() || !st.args[0].list) continue;
+    const RowPlan::View out = p.views[st.out];  // a copy: slices are appended to p.views
+    if (p.vals[out.val].dead || out.strides.empty() || out.dtype != c10::kFloat) continue;
+    // Each input: the (run, instruction) storing it.
+    const std::vector<int> inputs = st.args[0].views;
+    std::vector<std::pair<int, int>> writers;
+    std::set<int> seen;
+    for (int vi : inputs) {
+      const RowPlan::View& in = p.views[vi];
+      if (!p.vals[in.val].dead || touches[in.val] != 2 || in.sizes.size() != out.sizes.size() ||
+          !seen.insert(in.val).second) {
+        break;
+      }
+      std::pair<int, int> w{-1, -1};
+      for (size_t r = 0; r < p.runs.size() && p.runs[r].first + p.runs[r].count <= int(k); ++r) {
+        for (size_t i = 0; i < p.runs[r].ins.size(); ++i) {
+          const auto& ins = p.runs[r].ins[i];
+          if (ins.store >= 0 && same_view(p.views[p.runs[r].mem[ins.store]], in)) w = {int(r), int(i)};
+        }
+      }
+      if (w.first < 0) break;
+      writers.push_back(w);
+    }
+    if (writers.size() != inputs.size()) continue;
+    int64_t off = 0;
+    for (size_t j = 0; j < writers.size(); ++j) {
+      const int64_t w = p.views[inputs[j]].sizes.back();
+      RowPlan::View slice = out;
+      slice.sizes.back() = w;
+      slice.offset = out.offset + off * out.strides.back();
+      off += w;
+      p.views.push_back(std::move(slice));
+      ExactRun& run = p.runs[writers[j].first];
+      run.mem.push_back(int(p.views.size()) - 1);
+      run.ins[writers[j].second].store = int(run.mem.size()) - 1;
+    }
+    p.folded[k] = true;
   }
 }
 
@@ -255,6 +317,7 @@ std::shared_ptr<RowPlan> make_row_plan(std::vector<Op>& ops,
     }
   }
   plan_exact_runs(*p, ops);
+  fold_cats(*p);
   return p;
 }
 
@@ -319,6 +382,10 @@ void run_rows(const RowPlan& p) {
         t[i].unsafeGetTensorImpl()->set_sizes_and_strides(sizes, v.strides, off);
       }
       for (size_t k = 0; k < p.steps.size();) {
+        if (p.folded[k]) {
+          ++k;
+          continue;
+        }
         if (p.run_at[k] >= 0) {
           run_block(p, p.run_at[k], t, t0, t1);
           k += p.runs[p.run_at[k]].count;

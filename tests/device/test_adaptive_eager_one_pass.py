@@ -145,3 +145,40 @@ def test_per_row_values_without_the_last_dim_match_cpu(shape):
         u = x * 3 - 1
         return [t, u.amax(-1) / t - s, u]
     assert _check(program, x) > 0
+
+
+def _folded_cat_programs():
+    def rope(x, c, s):
+        h = x.shape[-1] // 2
+        x1, x2 = x[..., :h], x[..., h:]
+        return [torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], -1)]
+
+    def three_way(x, c, s):
+        h = x.shape[-1] // 2
+        return [torch.cat([x[..., :h] * 2 + c, (x[..., h:] - s) / 3, c * s], -1)]
+
+    def cat_then_scaled(x, c, s):  # the cat's own result is an intermediate: no fold
+        h = x.shape[-1] // 2
+        return [torch.cat([x[..., :h] * 2 + c, c * s], -1) * 0.5]
+
+    def input_also_read(x, c, s):  # one input is read again: no fold
+        h = x.shape[-1] // 2
+        a = x[..., :h] * c
+        return [torch.cat([a, x[..., h:] + s], -1), a.sum(-1, keepdim=True)]
+
+    def input_kept(x, c, s):  # the program keeps an input: it must reach memory
+        h = x.shape[-1] // 2
+        a = x[..., :h] * c
+        out = torch.cat([a, x[..., h:] - s], -1)
+        return [out, a]
+    return [rope, three_way, cat_then_scaled, input_also_read, input_kept]
+
+
+@pytest.mark.parametrize("program", _folded_cat_programs(), ids=lambda f: f.__name__)
+@pytest.mark.parametrize("shape", [(256, 1024), (3, 129, 1030), (40, 2002)])
+def test_last_dim_cat_of_run_outputs_matches_cpu(program, shape):
+    torch.manual_seed(6)
+    x = torch.randn(shape)
+    c = torch.randn(*shape[:-1], shape[-1] // 2)
+    s = torch.randn(*shape[:-1], shape[-1] // 2)
+    assert _check(program, x, c, s) > 0
