@@ -10,16 +10,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <unordered_map>
 
 namespace neuron::fusion::detail {
 
 namespace {
 
 constexpr int kTile = 256;
-
-bool is_one(const IValue* v) {
-  return v && v->isScalar() && v->toScalar().equal(1);
-}
 
 // A non-tensor operand as the float ATen's fp32 kernel sees.
 bool scalar_of(const IValue* v, float& out) {
@@ -51,11 +48,18 @@ bool scalar_of(const IValue* v, float& out) {
 std::optional<ExactOp> decode_exact(const c10::FunctionSchema& s, const std::vector<int>& view,
                                     const std::vector<const IValue*>& constant, int out,
                                     const std::function<bool(int)>& is_float) {
+  // The caller passes ops exact_op (launch.cpp) accepted: add/sub with alpha 1, true division,
+  // x ** 2. (sqrt and rsqrt stay on ATen: of a negative number its kernels give +NaN, the
+  // CPU's instruction -NaN.)
   using C = ExactRun::Code;
-  const std::string& name = s.name();
-  const std::string& ov = s.overload_name();
-  if (out < 0 || !is_float(out)) return std::nullopt;
+  static const std::unordered_map<std::string, std::pair<C, bool>> codes = {
+      {"aten::add", {C::kAdd, true}}, {"aten::sub", {C::kSub, true}}, {"aten::mul", {C::kMul, true}},
+      {"aten::div", {C::kDiv, true}}, {"aten::pow", {C::kSquare, false}}, {"aten::neg", {C::kNeg, false}},
+      {"aten::abs", {C::kAbs, false}}, {"aten::reciprocal", {C::kReciprocal, false}}};
+  auto it = codes.find(s.name());
+  if (it == codes.end() || out < 0 || !is_float(out) || view.empty()) return std::nullopt;
   ExactOp op;
+  op.code = it->second.first;
   op.out = out;
   auto operand = [&](size_t i, int& v, float& sc) {
     if (i >= view.size()) return false;
@@ -65,43 +69,15 @@ std::optional<ExactOp> decode_exact(const c10::FunctionSchema& s, const std::vec
     }
     return scalar_of(constant[i], sc);
   };
-  auto arg = [&](size_t i) -> const IValue* { return i < constant.size() ? constant[i] : nullptr; };
-  auto binary = [&](C code) {
-    op.code = code;
-    return operand(0, op.a, op.sa) && operand(1, op.b, op.sb) && (op.a >= 0 || op.b >= 0);
-  };
-  auto unary = [&](C code) {
-    op.code = code;
-    return view.size() >= 1 && view[0] >= 0 && is_float(view[0]) && ((op.a = view[0]), true);
-  };
-  auto base = [](const std::string& n) { return n.back() == '_' ? n.substr(0, n.size() - 1) : n; };
-  const std::string b = base(name);
-  bool ok = false;
-  if (b == "aten::add" || b == "aten::sub") {
-    // `self + alpha * other`: one fused multiply-add in ATen's vector loop unless alpha is 1.
-    ok = (ov == "Tensor" || ov == "out" || ov == "Scalar" || ov == "Scalar_out") && is_one(arg(2)) &&
-         binary(b == "aten::add" ? C::kAdd : C::kSub);
-  } else if (b == "aten::mul") {
-    ok = (ov == "Tensor" || ov == "out" || ov == "Scalar" || ov == "Scalar_out") && binary(C::kMul);
-  } else if (b == "aten::div") {
-    ok = (ov == "Tensor" || ov == "out" || ov == "Scalar" || ov == "Scalar_out") && binary(C::kDiv);
-  } else if (b == "aten::pow") {
-    float e = 0;
-    ok = (ov == "Tensor_Scalar" || ov == "Tensor_Scalar_out") && scalar_of(arg(1), e) &&
-         e == 2.0f && unary(C::kSquare);
-  } else if (ov.empty() || ov == "out") {
-    if (b == "aten::neg") ok = unary(C::kNeg);
-    else if (b == "aten::abs") ok = unary(C::kAbs);
-    // (Not sqrt or rsqrt: of a negative number ATen's kernels give +NaN, the CPU's
-    // instruction -NaN.)
-    else if (b == "aten::reciprocal") ok = unary(C::kReciprocal);
-  }
+  bool ok = it->second.second
+                ? operand(0, op.a, op.sa) && operand(1, op.b, op.sb) && (op.a >= 0 || op.b >= 0)
+                : view[0] >= 0 && operand(0, op.a, op.sa);
   if (!ok) return std::nullopt;
   return op;
 }
 
-std::vector<ExactRun> make_runs(const std::vector<ExactStepInfo>& steps,
-                                const std::vector<int>& value_of, const std::vector<bool>& dead) {
+std::vector<ExactRun> make_runs(const std::vector<ExactStepInfo>& steps, const std::vector<int>& value_of,
+                                const std::vector<std::set<int>>& touched, const std::vector<bool>& dead) {
   const int n_values = int(dead.size());
   std::vector<ExactRun> runs;
   const size_t n = steps.size();
@@ -161,7 +137,7 @@ std::vector<ExactRun> make_runs(const std::vector<ExactStepInfo>& steps,
     // after the run touches it.
     std::vector<bool> later(n_values, false);
     for (size_t k = j; k < n; ++k) {
-      for (int v : steps[k].touched) later[v] = true;
+      for (int v : touched[k]) later[v] = true;
     }
     for (int v = 0; v < n_values; ++v) {
       if (last_write[v] >= 0 && (!dead[v] || later[v])) r.ins[last_write[v]].store = mem(mem_of[v]);
@@ -170,6 +146,12 @@ std::vector<ExactRun> make_runs(const std::vector<ExactStepInfo>& steps,
     i = j;
   }
   return runs;
+}
+
+int64_t one_pass_ops(const std::vector<ExactRun>& runs) {
+  int64_t n = 0;
+  for (const auto& r : runs) n += r.count;
+  return n;
 }
 
 namespace {

@@ -55,6 +55,7 @@ struct RowPlan {
   std::vector<Val> vals;
   std::vector<View> views;
   std::vector<Step> steps;
+  std::vector<std::set<int>> touched;  // per step: the values it reads or writes
   std::vector<ExactRun> runs;
   std::vector<std::vector<int64_t>> run_shape;  // each run's iteration shape
   std::vector<int> run_at;                      // per step: the run starting there, or -1
@@ -108,7 +109,6 @@ void plan_exact_runs(RowPlan& p, const std::vector<Op>& ops) {
     std::vector<const IValue*> constant;
     bool aligned = st.out >= 0 && ops[k].shape.size() <= size_t(kMaxRowDims) + 1;
     auto see = [&](int v) {
-      info[k].touched.push_back(p.views[v].val);
       const auto& w = p.views[v];
       aligned = aligned && w.shift + int(w.sizes.size()) == int(ops[k].shape.size());
     };
@@ -132,7 +132,7 @@ void plan_exact_runs(RowPlan& p, const std::vector<Op>& ops) {
   for (const auto& v : p.views) value_of.push_back(v.val);
   std::vector<bool> dead;
   for (const auto& v : p.vals) dead.push_back(v.dead);
-  p.runs = make_runs(info, value_of, dead);
+  p.runs = make_runs(info, value_of, p.touched, dead);
   p.run_at.assign(p.steps.size(), -1);
   for (size_t r = 0; r < p.runs.size(); ++r) {
     p.run_at[p.runs[r].first] = int(r);
@@ -149,15 +149,9 @@ bool same_view(const RowPlan::View& a, const RowPlan::View& b) {
 // runs store each input straight into its slice of the (live) output.
 void fold_cats(RowPlan& p) {
   p.folded.assign(p.steps.size(), false);
-  std::vector<int> touches(p.vals.size(), 0);
-  for (const auto& st : p.steps) {
-    std::set<int> mine;
-    for (const auto& a : st.args) {
-      if (a.view >= 0) mine.insert(p.views[a.view].val);
-      for (int v : a.views) mine.insert(p.views[v].val);
-    }
-    if (st.out >= 0) mine.insert(p.views[st.out].val);
-    for (int v : mine) ++touches[v];
+  std::vector<int> touches(p.vals.size(), 0);  // steps touching each value
+  for (const auto& values : p.touched) {
+    for (int v : values) ++touches[v];
   }
   for (size_t k = 0; k < p.steps.size(); ++k) {
     const RowPlan::Step& st = p.steps[k];
@@ -316,23 +310,22 @@ std::shared_ptr<RowPlan> make_row_plan(std::vector<Op>& ops,
       return nullptr;
     }
   }
+  for (const auto& s : p->steps) {
+    p->touched.push_back({p->views[s.out].val});
+    for (const auto& a : s.args) {
+      if (a.view >= 0) p->touched.back().insert(p->views[a.view].val);
+      for (int v : a.views) p->touched.back().insert(p->views[v].val);
+    }
+  }
   plan_exact_runs(*p, ops);
   fold_cats(*p);
   return p;
 }
 
 bool plan_gains(const RowPlan& p) {
-  std::vector<std::set<int>> touched;
-  for (const auto& s : p.steps) {
-    touched.push_back({p.views[s.out].val});
-    for (const auto& a : s.args) {
-      if (a.view >= 0) touched.back().insert(p.views[a.view].val);
-      for (int v : a.views) touched.back().insert(p.views[v].val);
-    }
-  }
   std::vector<bool> dead;
   for (const auto& v : p.vals) dead.push_back(v.dead);
-  return saves_traffic(touched, dead);
+  return saves_traffic(p.touched, dead);
 }
 
 // Run r over the current block: its shape narrowed as the block narrows the window.
@@ -418,7 +411,7 @@ void flush_rows(c10::DeviceIndex d, int64_t stream, std::vector<Op>& ops,
                 const std::vector<std::vector<Ref>>& refs, const std::vector<int64_t>& shape) {
   auto plan = make_row_plan(ops, refs, shape);
   if (!plan || !plan_gains(*plan)) return launch_unfused(d, stream, ops);
-  count_fused(int64_t(ops.size()), plan->runs);
+  count_fused(int64_t(ops.size()), one_pass_ops(plan->runs));
   // One HBM round trip: what the window reads before writing it, and its live outputs.
   int64_t bytes_in = 0, bytes_out = 0;
   std::vector<bool> written(plan->vals.size(), false);

@@ -43,10 +43,10 @@ namespace detail {
 std::atomic<int> g_enabled{-1};  // -1: not yet read from the environment
 std::atomic<int64_t> g_ops{0}, g_kernels{0}, g_fused_kernels{0}, g_fused_ops{0}, g_one_pass_ops{0};
 
-void count_fused(int64_t n_ops, const std::vector<ExactRun>& runs) {
+void count_fused(int64_t n_ops, int64_t one_pass_ops) {
   g_fused_kernels.fetch_add(1);
   g_fused_ops.fetch_add(n_ops);
-  for (const auto& r : runs) g_one_pass_ops.fetch_add(r.count);
+  g_one_pass_ops.fetch_add(one_pass_ops);
 }
 
 constexpr size_t kMaxWindow = 16;
@@ -103,6 +103,7 @@ struct Plan {
   };
   std::vector<Value> values;
   std::vector<Step> steps;
+  std::vector<std::set<int>> touched;  // per step: the values it reads or writes
   std::vector<ExactRun> runs;
   std::vector<int> run_at;  // per step: the run starting there, or -1
   int64_t numel = 0;
@@ -172,6 +173,10 @@ Plan make_plan(std::vector<Op>& ops, const Refs& refs) {
       s.args.push_back(std::move(a));
     }
     s.out = op.use_out ? value_of(op.outs[0]) : s.args[op.self].value;
+    p.touched.push_back({s.out});
+    for (const auto& a : s.args) {
+      if (a.value >= 0) p.touched.back().insert(a.value);
+    }
     p.steps.push_back(std::move(s));
   }
   // Stretches of exact fp32 steps run as one pass (every operand is contiguous, of one shape).
@@ -184,9 +189,7 @@ Plan make_plan(std::vector<Op>& ops, const Refs& refs) {
     for (const auto& a : st.args) {
       view.push_back(a.value);
       constant.push_back(a.value >= 0 ? nullptr : &a.constant);
-      if (a.value >= 0) info[k].touched.push_back(a.value);
     }
-    info[k].touched.push_back(st.out);
     if (ops[k].exact) info[k].op = decode_exact(st.kernel.schema(), view, constant, st.out, is_float);
   }
   std::vector<int> identity(p.values.size());
@@ -195,7 +198,7 @@ Plan make_plan(std::vector<Op>& ops, const Refs& refs) {
     identity[v] = int(v);
     dead_values.push_back(p.values[v].dead);
   }
-  p.runs = make_runs(info, identity, dead_values);
+  p.runs = make_runs(info, identity, p.touched, dead_values);
   p.run_at.assign(p.steps.size(), -1);
   for (size_t r = 0; r < p.runs.size(); ++r) p.run_at[p.runs[r].first] = int(r);
   return p;
@@ -213,16 +216,9 @@ bool saves_traffic(const std::vector<std::set<int>>& touched, const std::vector<
 }
 
 bool plan_gains(const Plan& p) {
-  std::vector<std::set<int>> touched;
-  for (const auto& s : p.steps) {
-    touched.push_back({s.out});
-    for (const auto& a : s.args) {
-      if (a.value >= 0) touched.back().insert(a.value);
-    }
-  }
   std::vector<bool> dead;
   for (const auto& v : p.values) dead.push_back(v.dead);
-  return saves_traffic(touched, dead);
+  return saves_traffic(p.touched, dead);
 }
 
 // Runs the plan over [begin, end), one chunk of every op at a time.
@@ -404,9 +400,9 @@ void flush_locked(c10::DeviceIndex d, Window& w) {
   }
   if (!foreach) ops = std::move(chains.front());
   if (!gains) return launch_unfused(d, w.stream, ops);
-  std::vector<ExactRun> runs;
-  for (const auto& plan : plans) runs.insert(runs.end(), plan->runs.begin(), plan->runs.end());
-  count_fused(int64_t(ops.size()), runs);
+  int64_t one_pass = 0;
+  for (const auto& plan : plans) one_pass += one_pass_ops(plan->runs);
+  count_fused(int64_t(ops.size()), one_pass);
   // One HBM round trip: inputs read once, live outputs written once.
   int64_t bytes_in = 0, bytes_out = 0, numel = 0;
   for (const auto& plan : plans) {

@@ -88,16 +88,17 @@ struct ExactOp {
 struct ExactStepInfo {
   std::optional<ExactOp> op;  // none: the step runs as its ATen kernel
   int shape_class = 0;        // a run's steps share their iteration shape
-  std::vector<int> touched;   // values the step reads or writes
 };
-// `view[i]`: schema argument i's view, or -1 with `constant[i]` its value (null if none).
+// An op exact_op accepted, as a run instruction (nullopt if the evaluator lacks it or an
+// operand is not fp32). `view[i]`: schema argument i's view, or -1 with `constant[i]` its
+// value (null if none).
 std::optional<ExactOp> decode_exact(const c10::FunctionSchema& s, const std::vector<int>& view,
                                     const std::vector<const IValue*>& constant, int out,
                                     const std::function<bool(int)>& is_float);
-// Runs over maximal stretches of decoded steps. value_of: each view's value; dead: values
-// nobody outside the kernel reads.
-std::vector<ExactRun> make_runs(const std::vector<ExactStepInfo>& steps,
-                                const std::vector<int>& value_of, const std::vector<bool>& dead);
+// Runs over maximal stretches of decoded steps. value_of: each view's value; touched: the
+// values each step reads or writes; dead: values nobody outside the kernel reads.
+std::vector<ExactRun> make_runs(const std::vector<ExactStepInfo>& steps, const std::vector<int>& value_of,
+                                const std::vector<std::set<int>>& touched, const std::vector<bool>& dead);
 // Where a memory operand lies: its element (row 0, column 0), the stride of each row dim
 // (0 where it broadcasts) and of the column.
 constexpr int kMaxRowDims = 8;
@@ -106,8 +107,9 @@ struct ExactPlace {
   int64_t col;
   int64_t row[kMaxRowDims];
 };
-// A fused kernel of n_ops ops, some of them in one-pass runs.
-void count_fused(int64_t n_ops, const std::vector<ExactRun>& runs);
+// A fused kernel of n_ops ops, one_pass_ops of them in one-pass runs.
+void count_fused(int64_t n_ops, int64_t one_pass_ops);
+int64_t one_pass_ops(const std::vector<ExactRun>& runs);
 // Evaluates the run over rows x width elements (rows: the sizes of up to kMaxRowDims dims).
 void run_exact(const ExactRun& r, const ExactPlace* places, const int64_t* rows, int nrows, int64_t width);
 

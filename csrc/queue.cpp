@@ -58,13 +58,12 @@ constexpr int64_t kBigBytes = int64_t(2) << 20;
 constexpr int64_t kHostSpinMicros = 2000;  // at most, while small work runs
 constexpr int64_t kIdleSpinMicros = 30;    // the executor, for the next launch
 
-// Spins (yielding) until `ready` or for `micros`; whether it became ready.
+// Spins (yielding) until `ready` or for `micros`.
 template <class F>
-bool spin_until(F&& ready, int64_t micros) {
+void spin_until(F&& ready, int64_t micros) {
   auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(micros);
-  for (int i = 0;; ++i) {
-    if (ready()) return true;
-    if ((i & 15) == 15 && std::chrono::steady_clock::now() > until) return false;
+  for (int i = 0; !ready(); ++i) {
+    if ((i & 15) == 15 && std::chrono::steady_clock::now() > until) return;
     std::this_thread::yield();
   }
 }
