@@ -13,6 +13,7 @@ import torch
 
 import torch_neuronx
 
+from _compare import bits as _bits, run_twice as _run_twice  # noqa: E402
 from _modes import aee  # noqa: E402
 
 N = "neuron"
@@ -27,22 +28,6 @@ def _chain(x, y):
     b = torch.exp(a.clamp(max=4)) + torch.erf(x)
     c = b.mul_(0.5).add_(y, alpha=0.75)
     return [a, c, torch.where(c > 0, c, -c).sqrt(), _gelu_tanh(c)]
-
-
-def _bits(t):
-    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
-def _run_twice(fn, *cpu_inputs):
-    """CPU result, and the device result of a second call (the first teaches signatures)."""
-    want = fn(*cpu_inputs)
-    dev = [t.to(N) for t in cpu_inputs]
-    fn(*dev)
-    torch.neuron.synchronize()
-    torch_neuronx.adaptive_eager_stats(reset=True)
-    got = fn(*dev)
-    got = [g.cpu() for g in got] if isinstance(got, list) else got.cpu()
-    return want, got, torch_neuronx.adaptive_eager_stats()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -8,16 +8,9 @@ import torch
 
 import torch_neuronx
 
+from _compare import assert_same_bits as _same  # noqa: E402
+
 N = "neuron"
-
-
-def _bits(t):
-    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
-def _same(a, b, what=""):
-    same = torch.equal(_bits(a.detach().cpu()), _bits(b.detach()))
-    assert same, f"{what}: results differ"
 
 
 def _params(device, shapes, dtype, seed=0):

@@ -10,28 +10,16 @@ import torch
 
 import torch_neuronx
 
-N = "neuron"
-
-
-def _bits(t):
-    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+from _compare import assert_same_bits, run_twice  # noqa: E402
 
 
 def _check(program, *inputs):
     """Runs `program` on CPU and twice on neuron (the first run teaches signatures); returns
     the second run's one-pass op count after checking every output bit for bit."""
-    want = program(*inputs)
-    dev = [t.to(N) for t in inputs]
-    program(*dev)
-    torch.neuron.synchronize()
-    torch_neuronx.adaptive_eager_stats(reset=True)
-    got = program(*dev)
-    torch.neuron.synchronize()
-    one_pass = torch_neuronx.adaptive_eager_stats()["one_pass_ops"]
+    want, got, stats = run_twice(program, *inputs)
     for k, (g, w) in enumerate(zip(got, want)):
-        assert g.dtype == w.dtype and g.shape == w.shape, k
-        assert torch.equal(_bits(g.cpu().contiguous()), _bits(w.contiguous())), f"output {k} differs"
-    return one_pass
+        assert_same_bits(g, w, f"output {k}")
+    return stats["one_pass_ops"]
 
 
 def _specials(shape):

@@ -10,19 +10,10 @@ from hypothesis import strategies as st
 
 import torch_neuronx
 
+from _compare import assert_same_bits as _same  # noqa: E402
 from _modes import aee  # noqa: E402
 
 N = "neuron"
-
-
-def _bits(t):
-    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
-def _same(got, want, what=""):
-    assert got.dtype == want.dtype and got.shape == want.shape, what
-    same = torch.equal(_bits(got.cpu().contiguous()), _bits(want.contiguous()))
-    assert same, f"{what}: results differ"
 
 
 def rmsnorm(x, w):
