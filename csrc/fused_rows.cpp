@@ -22,7 +22,7 @@ namespace neuron::fusion::detail {
 namespace {
 // Elements of the widest operand per block: the chain's blocks stay in cache, and ATen's
 // per-call cost (a few microseconds per op) stays small next to a block's work.
-static const int64_t kRowBlock = getenv("NRB") ? atoll(getenv("NRB")) : 131072;
+constexpr int64_t kRowBlock = 131072;
 // Every vectorized loop's stride (2 vectors of 64 bytes, for 1-byte dtypes 128 elements)
 // divides it: a loop started this many elements later lines its vectors up the same way.
 constexpr int64_t kAlign = 128;

@@ -61,7 +61,7 @@ void flush_rows(c10::DeviceIndex d, int64_t stream, std::vector<Op>& ops,
 // values: whatever the plan numbers its memory operands by).
 struct ExactRun {
   static constexpr int kMaxRegs = 16;
-  enum Code : uint8_t { kAdd, kSub, kMul, kDiv, kNeg, kAbs, kSquare, kReciprocal };
+  enum Code : uint8_t { kAdd, kSub, kMul, kDiv, kNeg, kAbs, kSquare, kReciprocal, kExp };
   struct Src {
     enum Kind : uint8_t { kReg, kMem, kScalar } kind = kScalar;
     int index = 0;  // register, or memory operand

@@ -504,7 +504,8 @@ bool fusible(const Plan& plan, const torch::jit::Stack& stack, size_t base, size
 // Ops whose result for an element does not depend on whether ATen's vectorized loop or its
 // scalar tail computes it: IEEE-exact arithmetic (no fused multiply-add), comparisons and
 // selections. Transcendental functions are not: their vector and scalar versions differ in
-// the last bit, so where a fused kernel splits their range matters.
+// the last bit, so where a fused kernel splits their range matters. fp32 exp is the exception
+// where ATen computes it with MKL (one function for every element; see exp_joins_runs).
 bool exact_op(const c10::FunctionSchema& s, const torch::jit::Stack& stack, size_t base) {
   static const std::unordered_map<std::string, int> names = {
       {"aten::add", 1}, {"aten::sub", 1}, {"aten::rsub", 1}, {"aten::mul", 0}, {"aten::neg", 0},
@@ -512,7 +513,7 @@ bool exact_op(const c10::FunctionSchema& s, const torch::jit::Stack& stack, size
       {"aten::clamp_min", 0}, {"aten::clamp_max", 0}, {"aten::relu", 0}, {"aten::where", 0},
       {"aten::sqrt", 0}, {"aten::rsqrt", 4}, {"aten::reciprocal", 0}, {"aten::eq", 0},
       {"aten::ne", 0}, {"aten::lt", 0}, {"aten::le", 0}, {"aten::gt", 0}, {"aten::ge", 0},
-      {"aten::div", 2}, {"aten::pow", 3}};
+      {"aten::div", 2}, {"aten::pow", 3}, {"aten::exp", 5}};
   auto it = names.find(s.name());
   if (it == names.end()) return false;
   const auto& args = s.arguments();
@@ -537,6 +538,10 @@ bool exact_op(const c10::FunctionSchema& s, const torch::jit::Stack& stack, size
       const IValue& self = stack[base];
       return self.isTensor() && (self.toTensor().scalar_type() == c10::kFloat ||
                                  self.toTensor().scalar_type() == c10::kDouble);
+    }
+    case 5: {
+      const IValue& self = stack[base];
+      return self.isTensor() && self.toTensor().scalar_type() == c10::kFloat && fusion::exp_joins_runs();
     }
     default:
       return true;

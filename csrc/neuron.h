@@ -96,6 +96,8 @@ void append(c10::DeviceIndex d, int64_t stream, Op op);
 void flush(c10::DeviceIndex d);
 void flush_all();
 bool holding(c10::DeviceIndex d);  // ops are waiting in the device's window
+// Can fp32 exp run in one-pass runs (fused_exact.cpp), bit for bit as ATen's kernel computes it?
+bool exp_joins_runs();
 Stats stats(bool reset);
 }  // namespace fusion
 

@@ -10,7 +10,7 @@ N = "neuron"
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bits as integers: NaN payloads, signs and -0.0 compare too."""
-    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:

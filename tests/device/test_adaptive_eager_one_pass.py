@@ -170,3 +170,62 @@ def test_last_dim_cat_of_run_outputs_matches_cpu(program, shape):
     c = torch.randn(*shape[:-1], shape[-1] // 2)
     s = torch.randn(*shape[:-1], shape[-1] // 2)
     assert _check(program, x, c, s) > 0
+
+
+def _exp_inputs(shape):
+    """Every range exp treats apart: overflow and underflow to 0 and to denormals, NaNs of
+    both signs, infinities, signed zeros and ordinary values."""
+    a, b = _specials(shape)
+    flat = a.view(-1)
+    flat[6::17] = 89.0  # overflows
+    flat[7::19] = -95.0  # a denormal result
+    flat[8::23] = -110.0  # underflows to 0
+    flat[9::29] = 1e-30
+    return a, b
+
+
+def test_softmax_written_out_matches_cpu():
+    # exp joins the subtraction's run; the max and the sum stay ATen's reductions.
+    x, _ = _exp_inputs((512, 1024))
+    x.view(-1)[::3] = 0.5  # NaN rows aside, most rows give finite results
+    x[:64] = torch.randn(64, 1024) * 30
+
+    def program(x):
+        e = torch.exp(x - x.amax(-1, keepdim=True))
+        return [e / e.sum(-1, keepdim=True)]
+    assert _check(program, x) >= 3
+
+
+@pytest.mark.parametrize("shape", [(1 << 18,), (300, 1024)])
+def test_exp_special_values_match_cpu_in_runs(shape):
+    a, b = _exp_inputs(shape)
+
+    def program(a, b):
+        return [torch.exp(a * 2 - b) + 1, torch.exp(-a).neg(), torch.exp(b) * torch.exp(a)]
+    assert _check(program, a, b) > 0
+
+
+def test_exp_of_broadcast_and_strided_operands_matches_cpu():
+    torch.manual_seed(6)
+    x = torch.randn(256, 2048) * 40
+    col = torch.randn(256, 1) * 50
+
+    def program(x, col):
+        t = x[:, ::2]  # strided rows of 1024
+        return [torch.exp(t - col) * 2]
+    assert _check(program, x, col) > 0
+
+    def per_row(x):
+        y = x[:, :1024] * 0.01
+        return [y * (y.sum(-1, keepdim=True).exp() - 1)]  # a run of width 1
+    assert _check(per_row, x) >= 3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_exp_in_other_dtypes_stays_on_aten_kernels(dtype):
+    torch.manual_seed(7)
+    x = torch.randn(256, 1024).to(dtype)
+
+    def program(x):
+        return [torch.exp(x * 3) - 1]
+    assert _check(program, x) == 0
