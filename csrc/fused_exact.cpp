@@ -7,12 +7,18 @@
 #include "fusion_internal.h"
 
 #include <ATen/Context.h>
+#include <ATen/ops/amax_cpu_dispatch.h>
 #include <ATen/ops/exp_cpu_dispatch.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mean_cpu_dispatch.h>
+#include <ATen/ops/sum_cpu_dispatch.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <mutex>
 #include <unordered_map>
 
 // MKL's vector exp, as libtorch_cpu exports it (Fortran interface: arguments by address; n is
@@ -145,6 +151,7 @@ std::vector<ExactRun> make_runs(const std::vector<ExactStepInfo>& steps, const s
       ++j;
     }
     ExactRun r;
+    r.by_row = steps[i].by_row;
     r.first = int(i);
     r.count = int(j - i);
     std::vector<int> reg_of(n_values, -1), mem_of(n_values, -1), last_write(n_values, -1);
@@ -176,6 +183,7 @@ std::vector<ExactRun> make_runs(const std::vector<ExactStepInfo>& steps, const s
       };
       ExactRun::Ins ins;
       ins.code = op.code;
+      ins.narrow = op.narrow;
       ins.a = src(op.a, op.sa);
       ins.b = src(op.b, op.sb);
       ins.reg = r.regs++;
@@ -270,15 +278,177 @@ void compute(ExactRun::Code c, const float* A, float sa, const float* B, float s
       for (int k = 0; k < n; ++k) D[k] = x;
       return;
     }
+    case C::kRowSum:
+    case C::kRowMean:
+    case C::kRowMax:
+      return;  // reductions: reduce_row
   }
+}
+
+
+int64_t ceil_log2(int64_t x) {
+  if (x <= 2) return 1;
+  return 64 - __builtin_clzll(uint64_t(x - 1));
+}
+
+// A contiguous row's sum in the order ATen's fp32 sum kernel adds it (vectorized_inner_sum
+// in SumKernel.cpp: L-lane vector loads into four interleaved accumulators, cascaded into
+// four levels so that only partial sums of similar size meet, then the lanes, the scalar
+// tail first, onto the output's zero). row_sum_matches_aten checks the order per width.
+typedef float V8 __attribute__((vector_size(32)));
+
+__attribute__((target_clones("avx2", "default")))
+float aten_order_sum(const float* p, int64_t n) {
+  constexpr int L = 8;
+  using V = V8;
+  auto add = [p](V& acc, int64_t v) {  // acc += vector v of the row
+    V x;
+    std::memcpy(&x, p + v * L, sizeof(V));
+    acc += x;
+  };
+  const int64_t vecs = n / L, size = vecs / 4;
+  const int64_t power = std::max<int64_t>(4, ceil_log2(size) / 4);  // 4 levels
+  const int64_t step = int64_t(1) << power, mask = step - 1;
+  // Four interleaved accumulators (a) at level 0; levels 1-3 (b, c, d) take them over every
+  // `step` vectors. Named variables, not arrays: they stay in registers.
+  V a0 = {}, a1 = {}, a2 = {}, a3 = {}, b0 = {}, b1 = {}, b2 = {}, b3 = {};
+  V c0 = {}, c1 = {}, c2 = {}, c3 = {}, d0 = {}, d1 = {}, d2 = {}, d3 = {};
+  const V zero = {};
+  int64_t i = 0;
+  while (i + step <= size) {
+    for (int64_t j = 0; j < step; ++j, ++i) {
+      add(a0, i * 4);
+      add(a1, i * 4 + 1);
+      add(a2, i * 4 + 2);
+      add(a3, i * 4 + 3);
+    }
+    b0 += a0, b1 += a1, b2 += a2, b3 += a3;
+    a0 = a1 = a2 = a3 = zero;
+    if ((i & (mask << power)) != 0) continue;
+    c0 += b0, c1 += b1, c2 += b2, c3 += b3;
+    b0 = b1 = b2 = b3 = zero;
+    if ((i & (mask << (2 * power))) != 0) continue;
+    d0 += c0, d1 += c1, d2 += c2, d3 += c3;
+    c0 = c1 = c2 = c3 = zero;
+  }
+  for (; i < size; ++i) {
+    add(a0, i * 4);
+    add(a1, i * 4 + 1);
+    add(a2, i * 4 + 2);
+    add(a3, i * 4 + 3);
+  }
+  a0 += b0, a0 += c0, a0 += d0;
+  a1 += b1, a1 += c1, a1 += d1;
+  a2 += b2, a2 += c2, a2 += d2;
+  a3 += b3, a3 += c3, a3 += d3;
+  V acc[4] = {a0, a1, a2, a3};
+  for (int64_t v = size * 4; v < vecs; ++v) add(acc[0], v);
+  for (int k = 1; k < 4; ++k) acc[0] += acc[k];
+  float total = 0;
+  for (int64_t k = vecs * L; k < n; ++k) total += p[k];
+  for (int k = 0; k < L; ++k) total += acc[0][k];
+  return 0.0f + total;
+}
+
+// ATen's own kernel on one row: for results whose bits the fast paths cannot promise (a NaN's
+// payload depends on the order operands met; so does the sign of a zero maximum).
+float aten_row(ExactRun::Code c, const float* p, int64_t n) {
+  at::Tensor x = at::from_blob(const_cast<float*>(p), {1, n}, at::TensorOptions().dtype(at::kFloat));
+  at::Tensor out = at::empty({1, 1}, at::TensorOptions().dtype(at::kFloat));
+  const std::vector<int64_t> last{-1};
+  if (c == ExactRun::kRowSum) at::cpu::sum_out(out, x, last, true);
+  else if (c == ExactRun::kRowMean) at::cpu::mean_out(out, x, last, true);
+  else at::cpu::amax_out(out, x, last, true);
+  return *out.const_data_ptr<float>();
+}
+
+// The largest value of a row, and whether it holds a NaN.
+__attribute__((target_clones("avx2", "default")))
+float row_max(const float* p, int64_t n, bool& nan) {
+  typedef float V4 __attribute__((vector_size(16)));
+  typedef int32_t M4 __attribute__((vector_size(16)));
+  const float inf = std::numeric_limits<float>::infinity();
+  V4 m0 = {-inf, -inf, -inf, -inf}, m1 = m0;
+  M4 bad = {};
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    V4 x, y;
+    std::memcpy(&x, p + k, sizeof(V4));
+    std::memcpy(&y, p + k + 4, sizeof(V4));
+    bad |= (x != x) | (y != y);
+    m0 = x > m0 ? x : m0;
+    m1 = y > m1 ? y : m1;
+  }
+  m0 = m1 > m0 ? m1 : m0;
+  float best = -inf;
+  for (int l = 0; l < 4; ++l) {
+    nan = nan || bad[l] != 0;
+    best = m0[l] > best ? m0[l] : best;
+  }
+  for (; k < n; ++k) {
+    nan = nan || p[k] != p[k];
+    best = p[k] > best ? p[k] : best;
+  }
+  return best;
+}
+
+float reduce_row(ExactRun::Code c, const float* p, int64_t n) {
+  if (c == ExactRun::kRowMax) {
+    bool nan = false;
+    const float best = row_max(p, n, nan);
+    // Without NaNs the maximum is one value whatever the order, except between -0.0 and 0.0.
+    return nan || best == 0 ? aten_row(c, p, n) : best;
+  }
+  const float sum = aten_order_sum(p, n);
+  if (sum != sum) return aten_row(c, p, n);
+  return c == ExactRun::kRowMean ? sum / static_cast<float>(n) : sum;
 }
 
 }  // namespace
 
+bool row_sum_matches_aten(int64_t width) {
+  static std::mutex mu;
+  static std::unordered_map<int64_t, bool> known;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = known.find(width);
+  if (it != known.end()) return it->second;
+  // Rows whose sums round differently in any other order: values spread over 2^40 with
+  // both signs (a fixed sequence, so the verdict is the same in every process).
+  const int64_t rows = 6;
+  at::Tensor x = at::empty({rows, width}, at::TensorOptions().dtype(at::kFloat));
+  float* px = x.data_ptr<float>();
+  uint32_t state = 12345u;
+  for (int64_t i = 0; i < rows * width; ++i) {
+    state = state * 1664525u + 1013904223u;
+    const float mant = 1.0f + float(state >> 9) / float(1u << 23);
+    const int e = int((state >> 3) % 41) - 20;
+    px[i] = std::ldexp((state & 1) ? -mant : mant, e);
+  }
+  at::Tensor want = at::empty({rows, 1}, at::TensorOptions().dtype(at::kFloat));
+  at::cpu::sum_out(want, x, std::vector<int64_t>{-1}, true);
+  bool ok = width >= 8;
+  for (int64_t r = 0; ok && r < rows; ++r) {
+    const float got = aten_order_sum(px + r * width, width);
+    ok = std::memcmp(&got, want.const_data_ptr<float>() + r, 4) == 0;
+  }
+  known.emplace(width, ok);
+  return ok;
+}
+
 void run_exact(const ExactRun& r, const ExactPlace* places, const int64_t* rows, int nrows, int64_t width) {
-  alignas(64) float reg[ExactRun::kMaxRegs][kTile];
-  float* at[ExactRun::kMaxRegs];  // where each register's tile is: its own, or stored memory
-  alignas(64) float gather[2][kTile];
+  using C = ExactRun::Code;
+  // Each instruction works on a segment of a row: a tile, or (by_row) the whole row, which
+  // reductions need and which per-row values are computed once for.
+  const int64_t seg = r.by_row ? width : kTile;
+  thread_local std::vector<float> storage;
+  const size_t need = size_t(r.regs + 2) * size_t(seg) + 16;
+  if (storage.size() < need) storage.resize(need);
+  float* base = storage.data() + (16 - (reinterpret_cast<uintptr_t>(storage.data()) / 4) % 16) % 16;
+  float* gather[2] = {base + size_t(r.regs) * seg, base + size_t(r.regs + 1) * seg};
+  float* at[ExactRun::kMaxRegs];  // where each register's segment is: its own, or stored memory
+  float val[ExactRun::kMaxRegs];  // narrow registers' values
+  bool narrow[ExactRun::kMaxRegs] = {};
+  for (const auto& in : r.ins) narrow[in.reg] = in.narrow;
   const size_t m = r.mem.size();
   float* row_ptr[64];
   TORCH_CHECK(m <= 64, "neuron: internal error: too many operands in an exact run");
@@ -291,13 +461,28 @@ void run_exact(const ExactRun& r, const ExactPlace* places, const int64_t* rows,
       for (int d = 0; d < nrows; ++d) off += idx[d] * places[p].row[d];
       row_ptr[p] = places[p].ptr + off;
     }
-    for (int64_t j0 = 0; j0 < width; j0 += kTile) {
-      const int n = int(std::min<int64_t>(kTile, width - j0));
+    if (r.by_row && nrows > 0) {
+      // A row is too short for the hardware prefetcher to get ahead of a by-row run's
+      // reads: fetch about 4 KiB ahead of each contiguous operand (prefetches never fault).
+      const int64_t ahead = std::max<int64_t>(1, 4096 / (width * 4));
+      for (size_t p = 0; p < m; ++p) {
+        const int64_t stride = places[p].row[nrows - 1];
+        if (places[p].col != 1 || stride == 0) continue;
+        const char* q = reinterpret_cast<const char*>(row_ptr[p] + ahead * stride);
+        for (int64_t b = 0; b < width * 4; b += 64) __builtin_prefetch(q + b);
+      }
+    }
+    for (int64_t j0 = 0; j0 < width; j0 += seg) {
+      const int64_t n = std::min<int64_t>(seg, width - j0);
       for (const auto& in : r.ins) {
         int g = 0;
         auto fetch = [&](const ExactRun::Src& s, float& sc) -> const float* {
           switch (s.kind) {
             case ExactRun::Src::kReg:
+              if (narrow[s.index]) {
+                sc = val[s.index];
+                return nullptr;
+              }
               return at[s.index];
             case ExactRun::Src::kScalar:
               sc = s.scalar;
@@ -311,24 +496,38 @@ void run_exact(const ExactRun& r, const ExactPlace* places, const int64_t* rows,
                 return nullptr;
               }
               float* t = gather[g++];
-              for (int k = 0; k < n; ++k) t[k] = p[(j0 + k) * P.col];
+              for (int64_t k = 0; k < n; ++k) t[k] = p[(j0 + k) * P.col];
               return t;
             }
           }
         };
         float sa = 0, sb = 0;
         const float* A = fetch(in.a, sa);
-        const float* B = fetch(in.b, sb);
-        // A stored contiguous result is computed in place: in-run readers take it from there.
-        const bool direct = in.store >= 0 && places[in.store].col == 1;
-        float* D = direct ? row_ptr[in.store] + j0 : reg[in.reg];
-        at[in.reg] = D;
-        compute(in.code, A, sa, B, sb, D, n);
-        if (in.store >= 0 && !direct) {
-          // Written values have the run's full shape: a column stride of 0 means width 1.
-          float* p = row_ptr[in.store];
-          for (int k = 0; k < n; ++k) p[(j0 + k) * places[in.store].col] = D[k];
+        if (in.code >= C::kRowSum) {
+          if (!A) {  // a row of one value repeated (an expanded tensor)
+            std::fill(gather[0], gather[0] + n, sa);
+            A = gather[0];
+          }
+          val[in.reg] = reduce_row(in.code, A, n);
+        } else if (in.narrow) {
+          const float* B = fetch(in.b, sb);
+          TORCH_CHECK(!A && !B, "neuron: internal error: a per-row value computed from a whole row");
+          compute(in.code, nullptr, sa, nullptr, sb, &val[in.reg], 1);
+        } else {
+          const float* B = fetch(in.b, sb);
+          // A stored contiguous result is computed in place: in-run readers take it from there.
+          const bool direct = in.store >= 0 && places[in.store].col == 1;
+          float* D = direct ? row_ptr[in.store] + j0 : base + size_t(in.reg) * seg;
+          at[in.reg] = D;
+          compute(in.code, A, sa, B, sb, D, int(n));
+          if (in.store >= 0 && !direct) {
+            // Written values have the run's full shape: a column stride of 0 means width 1.
+            float* p = row_ptr[in.store];
+            for (int64_t k = 0; k < n; ++k) p[(j0 + k) * places[in.store].col] = D[k];
+          }
+          continue;
         }
+        if (in.store >= 0) row_ptr[in.store][0] = val[in.reg];
       }
     }
     for (int d = nrows - 1; d >= 0; --d) {

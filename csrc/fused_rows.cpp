@@ -97,9 +97,55 @@ bool contiguous(const std::vector<int64_t>& sizes, const std::vector<int64_t>& s
   return c10::_compute_contiguous<int64_t>(sizes, strides, c10::multiply_integers(sizes));
 }
 
+// Widest rows a by-row run takes: its registers hold whole rows (16 of them, 256 KiB).
+constexpr int64_t kMaxRowRunWidth = 4096;
+
+// A last-dim fp32 sum, mean or amax with keepdim, as a by-row run's instruction.
+std::optional<ExactOp> decode_reduction(const RowPlan& p, const RowPlan::Step& st,
+                                        const std::vector<int64_t>& shape) {
+  using C = ExactRun::Code;
+  static const std::map<std::string, C> codes = {
+      {"aten::sum", C::kRowSum}, {"aten::mean", C::kRowMean}, {"aten::amax", C::kRowMax}};
+  const auto it = codes.find(st.kernel.schema().name());
+  const size_t nargs = it == codes.end() ? 0 : it->second == C::kRowMax ? 3 : 4;
+  if (!nargs || !st.use_out || st.args.size() != nargs || st.args[0].view < 0) return std::nullopt;
+  const RowPlan::View& in = p.views[st.args[0].view];
+  const RowPlan::View& out = p.views[st.out];
+  std::vector<int64_t> narrow = shape;
+  narrow.back() = 1;
+  if (in.dtype != c10::kFloat || out.dtype != c10::kFloat || in.shift != 0 || in.sizes != shape ||
+      out.shift != 0 || out.sizes != narrow) {
+    return std::nullopt;
+  }
+  const IValue& dim = st.args[1].constant;
+  const IValue& keepdim = st.args[2].constant;
+  if (!dim.isIntList() || dim.toIntList().size() != 1 || !keepdim.isBool() || !keepdim.toBool()) {
+    return std::nullopt;
+  }
+  const int64_t d = dim.toIntList()[0];
+  if (d != -1 && d != int64_t(shape.size()) - 1) return std::nullopt;
+  if (nargs == 4) {
+    const IValue& dtype = st.args[3].constant;
+    if (!(dtype.isNone() || (dtype.isInt() && dtype.toInt() == int64_t(c10::kFloat)))) return std::nullopt;
+    if (!row_sum_matches_aten(shape.back())) return std::nullopt;
+  }
+  ExactOp op;
+  op.code = it->second;
+  op.a = st.args[0].view;
+  op.out = st.out;
+  op.narrow = true;
+  return op;
+}
+
 // Stretches of exact fp32 pointwise steps of one iteration shape run as one pass over each
-// block. Their operands broadcast right-aligned to that shape.
-void plan_exact_runs(RowPlan& p, const std::vector<Op>& ops) {
+// block. Their operands broadcast right-aligned to that shape. Where rows are narrow enough,
+// steps over whole rows, over per-row values and last-dim reductions between them form one
+// by-row run instead: each row's values then stay in L1 from the first step to the last.
+void plan_exact_runs(RowPlan& p, const std::vector<Op>& ops, const std::vector<int64_t>& shape) {
+  std::vector<int64_t> narrow = shape;
+  narrow.back() = 1;
+  const bool by_row = shape.back() > 1 && shape.back() <= kMaxRowRunWidth &&
+                      shape.size() <= size_t(kMaxRowDims) + 1;
   std::vector<ExactStepInfo> info(p.steps.size());
   std::map<std::vector<int64_t>, int> classes;
   auto is_float = [&](int v) { return p.views[v].dtype == c10::kFloat; };
@@ -127,6 +173,35 @@ void plan_exact_runs(RowPlan& p, const std::vector<Op>& ops) {
     auto c = classes.emplace(ops[k].shape, int(classes.size())).first;
     info[k].shape_class = c->second;
     if (ops[k].exact && aligned) info[k].op = decode_exact(st.kernel.schema(), view, constant, st.out, is_float);
+    if (!by_row) continue;
+    if (info[k].op && (ops[k].shape == shape || ops[k].shape == narrow)) {
+      info[k].op->narrow = ops[k].shape == narrow;
+    } else if (!info[k].op && ops[k].exact) {
+      info[k].op = decode_reduction(p, st, shape);
+      if (!info[k].op) continue;
+    } else {
+      continue;
+    }
+    info[k].by_row = true;
+  }
+  // Only stretches with a reduction go by row: for pointwise steps alone, tiles do the same
+  // work with less per-row bookkeeping.
+  for (size_t i = 0; i < info.size();) {
+    size_t j = i;
+    bool reduces = false;
+    for (; j < info.size() && info[j].by_row; ++j) reduces = reduces || info[j].op->code >= ExactRun::kRowSum;
+    for (size_t k = i; k < j; ++k) {
+      if (reduces) {
+        info[k].shape_class = -1;
+      } else if (info[k].op->code >= ExactRun::kRowSum) {
+        info[k].op.reset();
+      }
+      if (!reduces) {
+        info[k].by_row = false;
+        if (info[k].op) info[k].op->narrow = false;
+      }
+    }
+    i = std::max(j, i + 1);
   }
   std::vector<int> value_of;
   for (const auto& v : p.views) value_of.push_back(v.val);
@@ -136,7 +211,7 @@ void plan_exact_runs(RowPlan& p, const std::vector<Op>& ops) {
   p.run_at.assign(p.steps.size(), -1);
   for (size_t r = 0; r < p.runs.size(); ++r) {
     p.run_at[p.runs[r].first] = int(r);
-    p.run_shape.push_back(ops[p.runs[r].first].shape);
+    p.run_shape.push_back(p.runs[r].by_row ? shape : ops[p.runs[r].first].shape);
   }
 }
 
@@ -317,7 +392,7 @@ std::shared_ptr<RowPlan> make_row_plan(std::vector<Op>& ops,
       for (int v : a.views) p->touched.back().insert(p->views[v].val);
     }
   }
-  plan_exact_runs(*p, ops);
+  plan_exact_runs(*p, ops, shape);
   fold_cats(*p);
   return p;
 }

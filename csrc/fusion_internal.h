@@ -58,10 +58,13 @@ void flush_rows(c10::DeviceIndex d, int64_t stream, std::vector<Op>& ops,
 
 // fused_exact.cpp: a run of consecutive IEEE-exact fp32 pointwise steps of one iteration
 // shape, evaluated in one pass over L1-sized tiles. Operands are the plan's views (or
-// values: whatever the plan numbers its memory operands by).
+// values: whatever the plan numbers its memory operands by). A rows plan's run may instead
+// go row by row (by_row): then its registers hold whole rows, steps may also compute per-row
+// values (narrow: one element per row), and last-dim sum, mean and amax join it.
 struct ExactRun {
   static constexpr int kMaxRegs = 16;
-  enum Code : uint8_t { kAdd, kSub, kMul, kDiv, kNeg, kAbs, kSquare, kReciprocal, kExp };
+  enum Code : uint8_t { kAdd, kSub, kMul, kDiv, kNeg, kAbs, kSquare, kReciprocal, kExp,
+                        kRowSum, kRowMean, kRowMax };
   struct Src {
     enum Kind : uint8_t { kReg, kMem, kScalar } kind = kScalar;
     int index = 0;  // register, or memory operand
@@ -72,11 +75,13 @@ struct ExactRun {
     Src a, b;
     int reg;
     int store = -1;  // memory operand the result is written to, if anyone reads it later
+    bool narrow = false;  // by_row runs: a per-row value (reductions produce these)
   };
   std::vector<Ins> ins;
   std::vector<int> mem;  // the plan's view of each memory operand
   int regs = 0;
   int first = 0, count = 0;  // the plan steps the run replaces
+  bool by_row = false;
 };
 // One step decoded: operands are views (>= 0) or scalars.
 struct ExactOp {
@@ -84,11 +89,16 @@ struct ExactOp {
   int a = -1, b = -1;
   float sa = 0, sb = 0;
   int out = -1;
+  bool narrow = false;
 };
 struct ExactStepInfo {
   std::optional<ExactOp> op;  // none: the step runs as its ATen kernel
-  int shape_class = 0;        // a run's steps share their iteration shape
+  int shape_class = 0;        // a run's steps share their iteration shape (or all go by row)
+  bool by_row = false;
 };
+// Is the order in which reductions (row_reduction below) sum a row of `width` fp32 values
+// ATen's own? Checked against ATen's sum kernel once per width.
+bool row_sum_matches_aten(int64_t width);
 // An op exact_op accepted, as a run instruction (nullopt if the evaluator lacks it or an
 // operand is not fp32). `view[i]`: schema argument i's view, or -1 with `constant[i]` its
 // value (null if none).
@@ -110,7 +120,8 @@ struct ExactPlace {
 // A fused kernel of n_ops ops, one_pass_ops of them in one-pass runs.
 void count_fused(int64_t n_ops, int64_t one_pass_ops);
 int64_t one_pass_ops(const std::vector<ExactRun>& runs);
-// Evaluates the run over rows x width elements (rows: the sizes of up to kMaxRowDims dims).
+// Evaluates the run over rows x width elements (rows: the sizes of up to kMaxRowDims dims),
+// tile by tile, or row by row for by_row runs.
 void run_exact(const ExactRun& r, const ExactPlace* places, const int64_t* rows, int nrows, int64_t width);
 
 }  // namespace neuron::fusion::detail

@@ -229,3 +229,55 @@ def test_exp_in_other_dtypes_stays_on_aten_kernels(dtype):
     def program(x):
         return [torch.exp(x * 3) - 1]
     assert _check(program, x) == 0
+
+
+def _softmax(x):
+    e = torch.exp(x - x.amax(-1, keepdim=True))
+    return [e / e.sum(-1, keepdim=True)]
+
+
+def _layernorm(x):
+    mu = x.mean(-1, keepdim=True)
+    d = x - mu
+    return [d / ((d * d).mean(-1, keepdim=True) + 1e-5)]
+
+
+@pytest.mark.parametrize("width", [8, 100, 1024, 2047, 4096])
+@pytest.mark.parametrize("program,ops", [(_softmax, 5), (_layernorm, 6)])
+def test_by_row_runs_hold_last_dim_reductions(program, ops, width):
+    # Rows up to 4096 wide run row by row: sum, mean and amax join the run (summing in
+    # ATen's own order), so every op of the block is one pass.
+    torch.manual_seed(width)
+    x = torch.randn(max(8, 300000 // width), width) * torch.logspace(-8, 8, width)
+    assert _check(program, x) == ops
+
+
+def test_rows_wider_than_a_by_row_run_stay_exact():
+    torch.manual_seed(8)
+    x = torch.randn(40, 4097)
+    assert _check(_softmax, x) == 3  # sub, exp, div; the reductions run as ATen's kernels
+
+
+def test_reductions_of_special_rows_match_cpu():
+    # Rows whose bits depend on order in ATen's kernels (a NaN's payload, the sign of a zero
+    # maximum) are reduced by ATen's own kernel; every other row by the run.
+    torch.manual_seed(9)
+    x = torch.randn(256, 1024)
+    xi = x.view(torch.int32)
+    xi[0, 5], xi[0, 700] = 0x7FC00001, -0x3FFFFD  # two NaNs of different payloads and signs
+    xi[1, 9] = 0x7FA00000  # a signalling NaN
+    x[2] = 0.0
+    x[2, 1::3] = -0.0  # maximum 0 from zeros of both signs
+    x[3] = -0.0
+    x[4] = float("-inf")
+    x[5, 3] = float("inf")
+    x[6, 3], x[6, 4] = float("inf"), float("-inf")  # a NaN sum
+    x[7] = -x[7].abs() - 1
+    x[7, 1::2] = -0.0  # negative values and -0.0: maximum -0.0
+    x[8, :512], x[8, 512:] = 0.0, -0.0  # zeros of both signs, each sign together
+    x[9, :512], x[9, 512:] = -0.0, 0.0
+
+    def program(x):
+        return [x.amax(-1, keepdim=True) + 0, x.sum(-1, keepdim=True) * 1, x.mean(-1, keepdim=True) - 0,
+                x * x.amax(-1, keepdim=True)]
+    assert _check(program, x) >= 4
