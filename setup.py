@@ -15,7 +15,7 @@ setup(
                      "csrc/stream_check.cpp"],
             # OpenMP: at::parallel_for in our kernels (the fused ones) must really run in
             # parallel, and mark the region so the ATen kernels inside it run serially.
-            extra_compile_args=["-O2", "-std=c++17", "-fopenmp"],
+            extra_compile_args=["-O2", "-std=c++17", "-fopenmp", "-ffp-contract=off"],
             extra_link_args=["-fopenmp"],
         )
     ],

@@ -1,7 +1,7 @@
 // Runs of IEEE-exact fp32 pointwise steps inside a fused kernel, evaluated in one pass over
 // L1-sized tiles instead of one ATen call (and one pass through memory) per step. Each
 // element's result is what ATen computes: the same single IEEE operation per step, no
-// fused multiply-add (the clones target AVX2 without FMA, so nothing can be contracted), and
+// fused multiply-add (the extension builds with -ffp-contract=off, so no clone contracts), and
 // scalars converted to float as ATen's TensorIterator converts them. Intermediates nobody
 // reads after the run stay in the tiles.
 #include "fusion_internal.h"
@@ -256,8 +256,9 @@ inline void unary(const float* A, float sa, float* D, int n, F f) {
   }
 }
 
-// Cloned for AVX2 without FMA: nothing can be contracted into a fused multiply-add.
-__attribute__((target_clones("avx2", "default")))
+// Each case is one IEEE operation per element, and the extension builds with
+// -ffp-contract=off: no clone can contract a product into a fused multiply-add.
+__attribute__((target_clones("avx512f", "avx2", "default")))
 void compute(ExactRun::Code c, const float* A, float sa, const float* B, float sb, float* D, int n) {
   using C = ExactRun::Code;
   switch (c) {
@@ -449,6 +450,7 @@ void run_exact(const ExactRun& r, const ExactPlace* places, const int64_t* rows,
   float val[ExactRun::kMaxRegs];  // narrow registers' values
   bool narrow[ExactRun::kMaxRegs] = {};
   for (const auto& in : r.ins) narrow[in.reg] = in.narrow;
+
   const size_t m = r.mem.size();
   float* row_ptr[64];
   TORCH_CHECK(m <= 64, "neuron: internal error: too many operands in an exact run");
