@@ -34,6 +34,10 @@ namespace {
 // 4 KiB of fp32 per register: MKL's exp costs 13% more per element in calls of 256 than of
 // 1024, and a run's few live registers still fit L1.
 constexpr int kTile = 1024;
+// By-row runs take short rows in groups of about 512 elements (2 KiB per register; measured
+// against 256-4096 on softmax rows of 16-1024: larger groups spill the registers out of L1),
+// at most 64 rows.
+constexpr int64_t kGroupElems = 512, kMaxGroup = 64;
 // The mode ATen's vml::vexp passes: VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE.
 constexpr int64_t kVmlMode = 0x2 | 0x140000 | 0x100;
 
@@ -229,7 +233,7 @@ inline float pick(bool c, float a, float b) {
 }
 
 template <class F>
-inline void binary(const float* A, float sa, const float* B, float sb, float* D, int n, F f) {
+inline __attribute__((always_inline)) void binary(const float* A, float sa, const float* B, float sb, float* D, int n, F f) {
   if (A && B) {
 #pragma omp simd
     for (int k = 0; k < n; ++k) D[k] = f(A[k], B[k]);
@@ -246,7 +250,7 @@ inline void binary(const float* A, float sa, const float* B, float sb, float* D,
 }
 
 template <class F>
-inline void unary(const float* A, float sa, float* D, int n, F f) {
+inline __attribute__((always_inline)) void unary(const float* A, float sa, float* D, int n, F f) {
   if (A) {
 #pragma omp simd
     for (int k = 0; k < n; ++k) D[k] = f(A[k]);
@@ -258,8 +262,8 @@ inline void unary(const float* A, float sa, float* D, int n, F f) {
 
 // Each case is one IEEE operation per element, and the extension builds with
 // -ffp-contract=off: no clone can contract a product into a fused multiply-add.
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void compute(ExactRun::Code c, const float* A, float sa, const float* B, float sb, float* D, int n) {
+inline __attribute__((always_inline))
+void compute_one(ExactRun::Code c, const float* A, float sa, const float* B, float sb, float* D, int n) {
   using C = ExactRun::Code;
   switch (c) {
     // Two NaN operands: ATen's kernels return other's (quieted) for +, -, * and self's for /,
@@ -283,6 +287,21 @@ void compute(ExactRun::Code c, const float* A, float sa, const float* B, float s
     case C::kRowMean:
     case C::kRowMax:
       return;  // reductions: reduce_row
+  }
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void compute(ExactRun::Code c, const float* A, float sa, const float* B, float sb, float* D, int n) {
+  compute_one(c, A, sa, B, sb, D, n);
+}
+
+// Rows g < gn of n elements each: operands A and B contiguous over the rows, or (null) the
+// per-row scalars sa[g] and sb[g]. One call for a group of short rows instead of one per row.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void compute_rows(ExactRun::Code c, const float* A, const float* sa, const float* B, const float* sb,
+                  float* D, int64_t gn, int n) {
+  for (int64_t g = 0; g < gn; ++g) {
+    compute_one(c, A ? A + g * n : nullptr, sa[g], B ? B + g * n : nullptr, sb[g], D + g * n, n);
   }
 }
 
@@ -438,15 +457,23 @@ bool row_sum_matches_aten(int64_t width) {
 void run_exact(const ExactRun& r, const ExactPlace* places, const int64_t* rows, int nrows, int64_t width) {
   using C = ExactRun::Code;
   // Each instruction works on a segment of a row: a tile, or (by_row) the whole row, which
-  // reductions need and which per-row values are computed once for.
+  // reductions need and which per-row values are computed once for. By-row runs take short
+  // rows in groups, instruction by instruction: an op whose operands lie contiguous over the
+  // group's rows is one call (MKL's exp has a per-call cost; on rows of 64 a call per row cost
+  // more than the fusion saved), and one with per-row scalars one call looping over the rows.
   const int64_t seg = r.by_row ? width : kTile;
+  const int64_t G = r.by_row ? std::clamp<int64_t>(kGroupElems / std::max<int64_t>(width, 1), 1, kMaxGroup) : 1;
+  const size_t m = r.mem.size();
+  TORCH_CHECK(m <= 64, "neuron: internal error: too many operands in an exact run");
   thread_local std::vector<float> storage;
-  const size_t need = size_t(r.regs + 2) * size_t(seg) + 16;
+  thread_local std::vector<float*> row_ptrs;
+  const size_t need = size_t(r.regs + 2) * size_t(G * seg) + 16;
   if (storage.size() < need) storage.resize(need);
+  if (row_ptrs.size() < size_t(G) * m) row_ptrs.resize(size_t(G) * m);
   float* base = storage.data() + (16 - (reinterpret_cast<uintptr_t>(storage.data()) / 4) % 16) % 16;
-  float* gather[2] = {base + size_t(r.regs) * seg, base + size_t(r.regs + 1) * seg};
-  float* at[ExactRun::kMaxRegs];  // where each register's segment is: its own, or stored memory
-  float val[ExactRun::kMaxRegs];  // narrow registers' values
+  auto reg_at = [&](int q, int64_t g) { return base + (size_t(q) * G + g) * seg; };
+  float* at[ExactRun::kMaxRegs][kMaxGroup];  // each register's segment per row: its own, or stored memory
+  float val[ExactRun::kMaxRegs][kMaxGroup];  // narrow registers' values per row
   bool narrow[ExactRun::kMaxRegs] = {};
   for (const auto& in : r.ins) narrow[in.reg] = in.narrow;
   // Rows too short for the hardware prefetcher to get ahead of a by-row run's memory traffic
@@ -457,88 +484,117 @@ void run_exact(const ExactRun& r, const ExactPlace* places, const int64_t* rows,
   bool prefetch = r.by_row && nrows > 0;
   for (const auto& in : r.ins) prefetch = prefetch && in.code != C::kExp;
 
-  const size_t m = r.mem.size();
-  float* row_ptr[64];
-  TORCH_CHECK(m <= 64, "neuron: internal error: too many operands in an exact run");
   int64_t total = 1;
   for (int d = 0; d < nrows; ++d) total *= rows[d];
   int64_t idx[kMaxRowDims] = {};
-  for (int64_t row = 0; row < total; ++row) {
-    for (size_t p = 0; p < m; ++p) {
-      int64_t off = 0;
-      for (int d = 0; d < nrows; ++d) off += idx[d] * places[p].row[d];
-      row_ptr[p] = places[p].ptr + off;
-    }
-    if (prefetch) {
-      const int64_t ahead = std::max<int64_t>(1, 4096 / (width * 4));
+  for (int64_t row0 = 0; row0 < total; row0 += G) {
+    const int64_t gn = std::min(G, total - row0);
+    for (int64_t g = 0; g < gn; ++g) {
+      float** row_ptr = &row_ptrs[g * m];
       for (size_t p = 0; p < m; ++p) {
-        const int64_t stride = places[p].row[nrows - 1];
-        if (places[p].col != 1 || stride == 0) continue;
-        const char* q = reinterpret_cast<const char*>(row_ptr[p] + ahead * stride);
-        for (int64_t b = 0; b < width * 4; b += 64) __builtin_prefetch(q + b);
+        int64_t off = 0;
+        for (int d = 0; d < nrows; ++d) off += idx[d] * places[p].row[d];
+        row_ptr[p] = places[p].ptr + off;
+      }
+      if (prefetch) {
+        const int64_t ahead = std::max<int64_t>(1, 4096 / (width * 4));
+        for (size_t p = 0; p < m; ++p) {
+          const int64_t stride = places[p].row[nrows - 1];
+          if (places[p].col != 1 || stride == 0) continue;
+          const char* q = reinterpret_cast<const char*>(row_ptr[p] + ahead * stride);
+          for (int64_t b = 0; b < width * 4; b += 64) __builtin_prefetch(q + b);
+        }
+      }
+      for (int d = nrows - 1; d >= 0; --d) {
+        if (++idx[d] < rows[d]) break;
+        idx[d] = 0;
       }
     }
     for (int64_t j0 = 0; j0 < width; j0 += seg) {
       const int64_t n = std::min<int64_t>(seg, width - j0);
       for (const auto& in : r.ins) {
-        int g = 0;
-        auto fetch = [&](const ExactRun::Src& s, float& sc) -> const float* {
+        // Operand s of row g: a pointer to its n elements, or (null) the scalar in sc.
+        auto fetch = [&](const ExactRun::Src& s, int64_t g, int slot, float& sc) -> const float* {
           switch (s.kind) {
             case ExactRun::Src::kReg:
               if (narrow[s.index]) {
-                sc = val[s.index];
+                sc = val[s.index][g];
                 return nullptr;
               }
-              return at[s.index];
+              return at[s.index][g];
             case ExactRun::Src::kScalar:
               sc = s.scalar;
               return nullptr;
             default: {
               const ExactPlace& P = places[s.index];
-              const float* p = row_ptr[s.index];
+              const float* p = row_ptrs[g * m + s.index];
               if (P.col == 1) return p + j0;
               if (P.col == 0) {
                 sc = p[0];
                 return nullptr;
               }
-              float* t = gather[g++];
+              float* t = reg_at(r.regs + slot, g);
               for (int64_t k = 0; k < n; ++k) t[k] = p[(j0 + k) * P.col];
               return t;
             }
           }
         };
-        float sa = 0, sb = 0;
-        const float* A = fetch(in.a, sa);
-        if (in.code >= C::kRowSum) {
-          if (!A) {  // a row of one value repeated (an expanded tensor)
-            std::fill(gather[0], gather[0] + n, sa);
-            A = gather[0];
-          }
-          val[in.reg] = reduce_row(in.code, A, n);
-        } else if (in.narrow) {
-          const float* B = fetch(in.b, sb);
-          TORCH_CHECK(!A && !B, "neuron: internal error: a per-row value computed from a whole row");
-          compute(in.code, nullptr, sa, nullptr, sb, &val[in.reg], 1);
-        } else {
-          const float* B = fetch(in.b, sb);
-          // A stored contiguous result is computed in place: in-run readers take it from there.
-          const bool direct = in.store >= 0 && places[in.store].col == 1;
-          float* D = direct ? row_ptr[in.store] + j0 : base + size_t(in.reg) * seg;
-          at[in.reg] = D;
-          compute(in.code, A, sa, B, sb, D, int(n));
-          if (in.store >= 0 && !direct) {
-            // Written values have the run's full shape: a column stride of 0 means width 1.
-            float* p = row_ptr[in.store];
-            for (int64_t k = 0; k < n; ++k) p[(j0 + k) * places[in.store].col] = D[k];
+        if (in.code >= C::kRowSum || in.narrow) {
+          for (int64_t g = 0; g < gn; ++g) {
+            float sa = 0, sb = 0;
+            const float* A = fetch(in.a, g, 0, sa);
+            if (in.code >= C::kRowSum) {
+              if (!A) {  // a row of one value repeated (an expanded tensor)
+                float* t = reg_at(r.regs, g);
+                std::fill(t, t + n, sa);
+                A = t;
+              }
+              val[in.reg][g] = reduce_row(in.code, A, n);
+            } else {
+              const float* B = fetch(in.b, g, 1, sb);
+              TORCH_CHECK(!A && !B, "neuron: internal error: a per-row value computed from a whole row");
+              compute(in.code, nullptr, sa, nullptr, sb, &val[in.reg][g], 1);
+            }
+            if (in.store >= 0) row_ptrs[g * m + in.store][0] = val[in.reg][g];
           }
           continue;
         }
-        if (in.store >= 0) row_ptr[in.store][0] = val[in.reg];
+        // A stored contiguous result is computed in place: in-run readers take it from there.
+        const bool direct = in.store >= 0 && places[in.store].col == 1;
+        const float* A[kMaxGroup];
+        const float* B[kMaxGroup];
+        float sa[kMaxGroup], sb[kMaxGroup];
+        // Over the group: one call if every operand lies contiguous over its rows or is one
+        // scalar for all; one call looping over rows if some are per-row scalars; else per row.
+        bool whole = gn > 1, rowwise = gn > 1;
+        for (int64_t g = 0; g < gn; ++g) {
+          A[g] = fetch(in.a, g, 0, sa[g]);
+          B[g] = fetch(in.b, g, 1, sb[g]);
+          at[in.reg][g] = direct ? row_ptrs[g * m + in.store] + j0 : reg_at(in.reg, g);
+          auto contiguous = [&](const float* const* v) { return v[0] && v[g] == v[0] + g * n; };
+          auto same = [&](const float* const* v, const float* s) {
+            return !v[0] && !v[g] && std::memcmp(&s[g], &s[0], 4) == 0;
+          };
+          auto scalars = [&](const float* const* v) { return !v[0] && !v[g]; };
+          const bool out = at[in.reg][g] == at[in.reg][0] + g * n;
+          whole = whole && out && (contiguous(A) || same(A, sa)) && (contiguous(B) || same(B, sb));
+          rowwise = rowwise && out && (contiguous(A) || scalars(A)) && (contiguous(B) || scalars(B));
+        }
+        if (whole) {
+          compute(in.code, A[0], sa[0], B[0], sb[0], at[in.reg][0], int(gn * n));
+        } else if (rowwise) {
+          compute_rows(in.code, A[0], sa, B[0], sb, at[in.reg][0], gn, int(n));
+        } else {
+          for (int64_t g = 0; g < gn; ++g) compute(in.code, A[g], sa[g], B[g], sb[g], at[in.reg][g], int(n));
+        }
+        if (in.store >= 0 && !direct) {
+          // Written values have the run's full shape: a column stride of 0 means width 1.
+          for (int64_t g = 0; g < gn; ++g) {
+            float* p = row_ptrs[g * m + in.store];
+            for (int64_t k = 0; k < n; ++k) p[(j0 + k) * places[in.store].col] = at[in.reg][g][k];
+          }
+        }
       }
-    }
-    for (int d = nrows - 1; d >= 0; --d) {
-      if (++idx[d] < rows[d]) break;
-      idx[d] = 0;
     }
   }
 }

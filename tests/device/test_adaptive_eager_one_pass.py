@@ -242,7 +242,7 @@ def _layernorm(x):
     return [d / ((d * d).mean(-1, keepdim=True) + 1e-5)]
 
 
-@pytest.mark.parametrize("width", [8, 100, 1024, 2047, 4096])
+@pytest.mark.parametrize("width", [8, 16, 64, 100, 1024, 2047, 4096])
 @pytest.mark.parametrize("program,ops", [(_softmax, 5), (_layernorm, 6)])
 def test_by_row_runs_hold_last_dim_reductions(program, ops, width):
     # Rows up to 4096 wide run row by row: sum, mean and amax join the run (summing in
@@ -281,3 +281,18 @@ def test_reductions_of_special_rows_match_cpu():
         return [x.amax(-1, keepdim=True) + 0, x.sum(-1, keepdim=True) * 1, x.mean(-1, keepdim=True) - 0,
                 x * x.amax(-1, keepdim=True)]
     assert _check(program, x) >= 4
+
+
+@pytest.mark.parametrize("width", [16, 64, 300])
+def test_short_rows_in_groups_match_cpu(width):
+    # Short rows run in groups: an op over rows lying contiguous is one call, one with per-row
+    # scalars (x - max) one call looping over them; strided rows are gathered first.
+    torch.manual_seed(width)
+    x = torch.randn(60000 // width, 2 * width) * 20
+
+    def program(x):
+        t = x[:, ::2]
+        y = t - t.amax(-1, keepdim=True)  # kept
+        e = torch.exp(y)
+        return [y, e / e.sum(-1, keepdim=True), (y * 2).mean(-1, keepdim=True)]
+    assert _check(program, x) >= 5
