@@ -110,8 +110,8 @@ std::optional<ExactOp> decode_exact(const c10::FunctionSchema& s, const std::vec
                                     const std::vector<const IValue*>& constant, int out,
                                     const std::function<bool(int)>& is_float) {
   // The caller passes ops exact_op (launch.cpp) accepted: add/sub with alpha 1, true division,
-  // x ** 2, fp32 exp where exp_joins_runs. (sqrt and rsqrt stay on ATen: of a negative number its kernels give +NaN, the
-  // CPU's instruction -NaN.)
+  // x ** 2, fp32 exp where exp_joins_runs. (sqrt and rsqrt stay on ATen: of a negative number
+  // its kernels give +NaN, the CPU's instruction -NaN.)
   using C = ExactRun::Code;
   static const std::unordered_map<std::string, std::pair<C, bool>> codes = {
       {"aten::add", {C::kAdd, true}}, {"aten::sub", {C::kSub, true}}, {"aten::mul", {C::kMul, true}},
@@ -304,7 +304,6 @@ void compute_rows(ExactRun::Code c, const float* A, const float* sa, const float
     compute_one(c, A ? A + g * n : nullptr, sa[g], B ? B + g * n : nullptr, sb[g], D + g * n, n);
   }
 }
-
 
 int64_t ceil_log2(int64_t x) {
   if (x <= 2) return 1;

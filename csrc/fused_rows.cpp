@@ -193,12 +193,9 @@ void plan_exact_runs(RowPlan& p, const std::vector<Op>& ops, const std::vector<i
     for (size_t k = i; k < j; ++k) {
       if (reduces) {
         info[k].shape_class = -1;
-      } else if (info[k].op->code >= ExactRun::kRowSum) {
-        info[k].op.reset();
-      }
-      if (!reduces) {
+      } else {
         info[k].by_row = false;
-        if (info[k].op) info[k].op->narrow = false;
+        info[k].op->narrow = false;
       }
     }
     i = std::max(j, i + 1);
