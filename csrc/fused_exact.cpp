@@ -155,7 +155,7 @@ std::vector<ExactRun> make_runs(const std::vector<ExactStepInfo>& steps, const s
       ++j;
     }
     ExactRun r;
-    r.by_row = steps[i].by_row;
+    r.by_row = steps[i].shape_class == kByRowClass;
     r.first = int(i);
     r.count = int(j - i);
     std::vector<int> reg_of(n_values, -1), mem_of(n_values, -1), last_write(n_values, -1);
@@ -539,22 +539,25 @@ void run_exact(const ExactRun& r, const ExactPlace* places, const int64_t* rows,
           }
         };
         if (in.code >= C::kRowSum || in.narrow) {
+          float sa[kMaxGroup], sb[kMaxGroup];
           for (int64_t g = 0; g < gn; ++g) {
-            float sa = 0, sb = 0;
-            const float* A = fetch(in.a, g, 0, sa);
+            const float* A = fetch(in.a, g, 0, sa[g]);
             if (in.code >= C::kRowSum) {
               if (!A) {  // a row of one value repeated (an expanded tensor)
                 float* t = reg_at(r.regs, g);
-                std::fill(t, t + n, sa);
+                std::fill(t, t + n, sa[g]);
                 A = t;
               }
               val[in.reg][g] = reduce_row(in.code, A, n);
             } else {
-              const float* B = fetch(in.b, g, 1, sb);
+              const float* B = fetch(in.b, g, 1, sb[g]);
               TORCH_CHECK(!A && !B, "neuron: internal error: a per-row value computed from a whole row");
-              compute(in.code, nullptr, sa, nullptr, sb, &val[in.reg][g], 1);
             }
-            if (in.store >= 0) row_ptrs[g * m + in.store][0] = val[in.reg][g];
+          }
+          // Per-row values of the group: one call over its rows' scalars.
+          if (in.code < C::kRowSum) compute_rows(in.code, nullptr, sa, nullptr, sb, val[in.reg], gn, 1);
+          if (in.store >= 0) {
+            for (int64_t g = 0; g < gn; ++g) row_ptrs[g * m + in.store][0] = val[in.reg][g];
           }
           continue;
         }

@@ -15,7 +15,6 @@
 #include <array>
 #include <map>
 #include <set>
-#include <cstdlib>
 
 namespace neuron::fusion::detail {
 
@@ -147,6 +146,7 @@ void plan_exact_runs(RowPlan& p, const std::vector<Op>& ops, const std::vector<i
   const bool by_row = shape.back() > 1 && shape.back() <= kMaxRowRunWidth &&
                       shape.size() <= size_t(kMaxRowDims) + 1;
   std::vector<ExactStepInfo> info(p.steps.size());
+  std::vector<bool> row_step(p.steps.size(), false);  // could join a by-row run
   std::map<std::vector<int64_t>, int> classes;
   auto is_float = [&](int v) { return p.views[v].dtype == c10::kFloat; };
   for (size_t k = 0; k < p.steps.size(); ++k) {
@@ -182,21 +182,17 @@ void plan_exact_runs(RowPlan& p, const std::vector<Op>& ops, const std::vector<i
     } else {
       continue;
     }
-    info[k].by_row = true;
+    row_step[k] = true;
   }
   // Only stretches with a reduction go by row: for pointwise steps alone, tiles do the same
   // work with less per-row bookkeeping.
   for (size_t i = 0; i < info.size();) {
     size_t j = i;
     bool reduces = false;
-    for (; j < info.size() && info[j].by_row; ++j) reduces = reduces || info[j].op->code >= ExactRun::kRowSum;
+    for (; j < info.size() && row_step[j]; ++j) reduces = reduces || info[j].op->code >= ExactRun::kRowSum;
     for (size_t k = i; k < j; ++k) {
-      if (reduces) {
-        info[k].shape_class = -1;
-      } else {
-        info[k].by_row = false;
-        info[k].op->narrow = false;
-      }
+      if (reduces) info[k].shape_class = kByRowClass;
+      else info[k].op->narrow = false;
     }
     i = std::max(j, i + 1);
   }
@@ -389,8 +385,6 @@ std::shared_ptr<RowPlan> make_row_plan(std::vector<Op>& ops,
       for (int v : a.views) p->touched.back().insert(p->views[v].val);
     }
   }
-  plan_exact_runs(*p, ops, shape);
-  fold_cats(*p);
   return p;
 }
 
@@ -483,6 +477,8 @@ void flush_rows(c10::DeviceIndex d, int64_t stream, std::vector<Op>& ops,
                 const std::vector<std::vector<Ref>>& refs, const std::vector<int64_t>& shape) {
   auto plan = make_row_plan(ops, refs, shape);
   if (!plan || !plan_gains(*plan)) return launch_unfused(d, stream, ops);
+  plan_exact_runs(*plan, ops, shape);
+  fold_cats(*plan);
   count_fused(int64_t(ops.size()), one_pass_ops(plan->runs));
   // One HBM round trip: what the window reads before writing it, and its live outputs.
   int64_t bytes_in = 0, bytes_out = 0;

@@ -179,7 +179,12 @@ Plan make_plan(std::vector<Op>& ops, const Refs& refs) {
     }
     p.steps.push_back(std::move(s));
   }
-  // Stretches of exact fp32 steps run as one pass (every operand is contiguous, of one shape).
+  return p;
+}
+
+// Stretches of exact fp32 steps run as one pass (every operand is contiguous, of one shape).
+// Planned only once the window is known to fuse.
+void plan_runs(Plan& p, const std::vector<Op>& ops) {
   std::vector<ExactStepInfo> info(ops.size());
   auto is_float = [&](int v) { return p.values[v].tensor.scalar_type() == c10::kFloat; };
   for (size_t k = 0; k < ops.size(); ++k) {
@@ -201,7 +206,6 @@ Plan make_plan(std::vector<Op>& ops, const Refs& refs) {
   p.runs = make_runs(info, identity, p.touched, dead_values);
   p.run_at.assign(p.steps.size(), -1);
   for (size_t r = 0; r < p.runs.size(); ++r) p.run_at[p.runs[r].first] = int(r);
-  return p;
 }
 
 bool saves_traffic(const std::vector<std::set<int>>& touched, const std::vector<bool>& dead) {
@@ -397,6 +401,9 @@ void flush_locked(c10::DeviceIndex d, Window& w) {
   for (auto& chain : chains) {
     plans.push_back(std::make_shared<Plan>(make_plan(chain, counts)));
     gains = gains || plan_gains(*plans.back());
+  }
+  if (gains) {
+    for (size_t i = 0; i < plans.size(); ++i) plan_runs(*plans[i], chains[i]);
   }
   if (!foreach) ops = std::move(chains.front());
   if (!gains) return launch_unfused(d, w.stream, ops);

@@ -91,10 +91,11 @@ struct ExactOp {
   int out = -1;
   bool narrow = false;
 };
+// The shape class of steps that go by row (whatever their shapes).
+constexpr int kByRowClass = -1;
 struct ExactStepInfo {
   std::optional<ExactOp> op;  // none: the step runs as its ATen kernel
-  int shape_class = 0;        // a run's steps share their iteration shape (or all go by row)
-  bool by_row = false;
+  int shape_class = 0;        // a run's steps share their iteration shape, or kByRowClass
 };
 // Is the order in which reductions (row_reduction below) sum a row of `width` fp32 values
 // ATen's own? Checked against ATen's sum kernel once per width.

@@ -50,7 +50,8 @@ def adaptive_eager_stats(reset: bool = False) -> dict:
 
     ``ops``: ops launched to the queues (before fusion); ``kernels``: kernels the queues ran
     for them (after fusion); ``fused_kernels`` of those were fused, holding ``fused_ops``;
-    ``one_pass_ops`` of those ran as IEEE-exact fp32 arithmetic in one pass over the data.
+    ``one_pass_ops`` of those ran in one-pass runs (exact fp32 arithmetic, ``exp`` and
+    last-dim reductions, evaluated in one pass over the data; see docs/device.md).
     """
     ops, kernels, fused_kernels, fused_ops, one_pass_ops = _C._adaptive_eager_stats(reset)
     return {"ops": ops, "kernels": kernels, "fused_kernels": fused_kernels,
