@@ -173,6 +173,16 @@ void plan_exact_runs(RowPlan& p, const std::vector<Op>& ops, const std::vector<i
     auto c = classes.emplace(ops[k].shape, int(classes.size())).first;
     info[k].shape_class = c->second;
     if (ops[k].exact && aligned) info[k].op = decode_exact(st.kernel.schema(), view, constant, st.out, is_float);
+    // A product of two NaNs takes the NaN of the loop eager ran there: eager's loops over these
+    // operands, as it saw them.
+    ExactOp* mul = info[k].op ? &*info[k].op : nullptr;
+    if (mul && mul->code == ExactRun::kMul && (mul->a >= 0 || mul->sa != mul->sa) &&
+        (mul->b >= 0 || mul->sb != mul->sb)) {
+      auto operand = [&](int v) {
+        return v >= 0 ? EagerNanOrder::Operand{p.views[v].sizes, p.views[v].strides} : EagerNanOrder::Operand{};
+      };
+      mul->nan_order = std::make_shared<const EagerNanOrder>(operand(mul->out), operand(mul->a), operand(mul->b), false);
+    }
     if (!by_row) continue;
     if (info[k].op && (ops[k].shape == shape || ops[k].shape == narrow)) {
       info[k].op->narrow = ops[k].shape == narrow;
@@ -263,6 +273,58 @@ void fold_cats(RowPlan& p) {
   }
 }
 
+// Does ATen, run on each block, meet every element of this op in the same loop and the same
+// place in it as eager did? That matters where its result bits depend on the loop (see
+// Op::split_free). Two layouts qualify:
+// - flat: every operand contiguous in the iteration shape (eager's loop calls are its thread
+//   ranges): eager's split points must be block cuts, each cut a multiple of kAlign into
+//   eager's range;
+// - by row: the last dim does not coalesce with the rows (an operand broadcasts along one of
+//   them), so eager's calls are whole rows, as the blocks' are, provided no thread range
+//   starts inside a row.
+bool loops_match_eager(const RowPlan& p, const Op& op, const std::vector<Ref>& refs) {
+  const auto& O = op.shape;
+  bool flat = true;
+  for (const auto& r : refs) flat = flat && r.sizes == O && r.shift == 0 && contiguous(r.sizes, r.strides);
+  const auto ranges = eager_ranges(op.numel);
+  if (flat) {
+    int64_t inner_o = 1;
+    for (size_t m = p.bd + 1; m < O.size(); ++m) inner_o *= O[m];
+    std::vector<int64_t> starts;
+    for (const auto& r : ranges) starts.push_back(r.first);
+    int64_t cuts_found = 0;
+    for (int64_t b = 0; b < p.blocks; ++b) {
+      int64_t e = ((b / p.per_outer) * p.rows[p.bd] + (b % p.per_outer) * p.len) * inner_o;
+      size_t r = std::upper_bound(starts.begin(), starts.end(), e) - starts.begin() - 1;
+      if ((e - starts[r]) % kAlign != 0) return false;
+      cuts_found += e == starts[r];
+    }
+    return cuts_found == int64_t(starts.size());
+  }
+  const int R = int(O.size());
+  if (R < 2 || O.back() < 2) return false;
+  const int64_t W = O.back();
+  // The innermost row dim of more than one row: the one the last dim would coalesce with.
+  int q = R - 2;
+  while (q >= 0 && O[q] == 1) --q;
+  if (q < 0) return false;
+  bool coalesces = true;
+  for (const auto& r : refs) {
+    // Operands broadcast right-aligned; the written one has the whole shape, row-major.
+    if (r.write && !(r.sizes == O && r.shift == 0 && contiguous(r.sizes, r.strides))) return false;
+    auto stride = [&](int m) {
+      const int j = m - r.shift;
+      return j >= 0 && j < int(r.sizes.size()) && r.sizes[j] != 1 ? r.strides[j] : 0;
+    };
+    coalesces = coalesces && stride(q) == stride(R - 1) * W;
+  }
+  if (coalesces) return false;
+  for (const auto& r : ranges) {
+    if (r.first % W != 0) return false;
+  }
+  return true;
+}
+
 // The rows kernel for a window, or null when it could not be bit-identical to eager.
 std::shared_ptr<RowPlan> make_row_plan(std::vector<Op>& ops,
                                        const std::vector<std::vector<Ref>>& refs,
@@ -347,30 +409,9 @@ std::shared_ptr<RowPlan> make_row_plan(std::vector<Op>& ops,
     }
     if (op.use_out) st.out = view_of(refs[i][next++], op.outs[0]);
 
-    if (op.exact) {
-      p->steps.push_back(std::move(st));
-      continue;
-    }
-    // The vector/scalar split matters: every operand must be contiguous in the iteration
-    // shape, eager's per-thread split points must be block cuts, and each cut must lie a
-    // multiple of kAlign into eager's range.
-    const auto& O = op.shape;
-    for (const auto& r : refs[i]) {
-      if (r.sizes != O || r.shift != 0 || !contiguous(r.sizes, r.strides)) return nullptr;
-    }
-    int64_t inner_o = 1;
-    for (size_t m = p->bd + 1; m < O.size(); ++m) inner_o *= O[m];
-    auto ranges = eager_ranges(op.numel);
-    std::vector<int64_t> starts;
-    for (const auto& r : ranges) starts.push_back(r.first);
-    int64_t cuts_found = 0;
-    for (int64_t b = 0; b < p->blocks; ++b) {
-      int64_t e = ((b / p->per_outer) * p->rows[p->bd] + (b % p->per_outer) * p->len) * inner_o;
-      size_t r = std::upper_bound(starts.begin(), starts.end(), e) - starts.begin() - 1;
-      if ((e - starts[r]) % kAlign != 0) return nullptr;
-      cuts_found += e == starts[r];
-    }
-    if (cuts_found != int64_t(starts.size())) return nullptr;
+    // An exact op that is not split-free is checked once runs are planned: in a run, where
+    // its loops are modelled, it needs no more.
+    if (!op.exact && !loops_match_eager(*p, op, refs[i])) return nullptr;
     p->steps.push_back(std::move(st));
   }
   for (const auto& v : p->views) {
@@ -395,7 +436,8 @@ bool plan_gains(const RowPlan& p) {
 }
 
 // Run r over the current block: its shape narrowed as the block narrows the window.
-void run_block(const RowPlan& p, int r, const std::vector<at::Tensor>& t, int64_t t0, int64_t t1) {
+void run_block(const RowPlan& p, int r, const std::vector<at::Tensor>& t, const int64_t* idx, int64_t t0,
+               int64_t t1) {
   const ExactRun& run = p.runs[r];
   std::vector<int64_t> shape = p.run_shape[r];
   const int R = int(shape.size());
@@ -413,7 +455,10 @@ void run_block(const RowPlan& p, int r, const std::vector<at::Tensor>& t, int64_
       else pl.row[m] = stride;
     }
   }
-  run_exact(run, places.data(), shape.data(), R - 1, shape[R - 1]);
+  ExactOrigin origin;
+  // A run over per-row values without the last dim may have blocks cut its own last dim.
+  for (int m = 0; m < R && m <= p.bd; ++m) (m < R - 1 ? origin.row[m] : origin.col) = m < p.bd ? idx[m] : t0;
+  run_exact(run, places.data(), shape.data(), R - 1, shape[R - 1], origin);
 }
 
 void run_rows(const RowPlan& p) {
@@ -446,7 +491,7 @@ void run_rows(const RowPlan& p) {
           continue;
         }
         if (p.run_at[k] >= 0) {
-          run_block(p, p.run_at[k], t, t0, t1);
+          run_block(p, p.run_at[k], t, idx.data(), t0, t1);
           k += p.runs[p.run_at[k]].count;
           continue;
         }
@@ -479,6 +524,15 @@ void flush_rows(c10::DeviceIndex d, int64_t stream, std::vector<Op>& ops,
   if (!plan || !plan_gains(*plan)) return launch_unfused(d, stream, ops);
   plan_exact_runs(*plan, ops, shape);
   fold_cats(*plan);
+  // Exact ops whose NaN bits depend on the loop, where ATen computes them on blocks.
+  std::vector<bool> in_run(ops.size(), false);
+  for (const auto& r : plan->runs) std::fill(in_run.begin() + r.first, in_run.begin() + r.first + r.count, true);
+  for (size_t k = 0; k < ops.size(); ++k) {
+    if (ops[k].exact && !ops[k].split_free && !in_run[k] && !plan->folded[k] &&
+        !loops_match_eager(*plan, ops[k], refs[k])) {
+      return launch_unfused(d, stream, ops);
+    }
+  }
   count_fused(int64_t(ops.size()), one_pass_ops(plan->runs));
   // One HBM round trip: what the window reads before writing it, and its live outputs.
   int64_t bytes_in = 0, bytes_out = 0;

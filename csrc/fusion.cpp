@@ -196,6 +196,15 @@ void plan_runs(Plan& p, const std::vector<Op>& ops) {
       constant.push_back(a.value >= 0 ? nullptr : &a.constant);
     }
     if (ops[k].exact) info[k].op = decode_exact(st.kernel.schema(), view, constant, st.out, is_float);
+    // A product of two NaNs takes the NaN of the loop eager ran there: over a pure window's
+    // contiguous operands, eager's loop calls are its thread ranges of the flat elements.
+    ExactOp* op = info[k].op ? &*info[k].op : nullptr;
+    if (op && op->code == ExactRun::kMul && (op->a >= 0 || op->sa != op->sa) && (op->b >= 0 || op->sb != op->sb)) {
+      auto flat = [&](int v) {
+        return v >= 0 ? EagerNanOrder::Operand{{ops[k].numel}, {1}} : EagerNanOrder::Operand{};
+      };
+      op->nan_order = std::make_shared<const EagerNanOrder>(flat(op->out), flat(op->a), flat(op->b), true);
+    }
   }
   std::vector<int> identity(p.values.size());
   std::vector<bool> dead_values;
@@ -266,7 +275,9 @@ void run_range(const Plan& p, int64_t begin, int64_t end) {
           places[q].ptr = views[run.mem[q]].data_ptr<float>();
           places[q].col = 1;
         }
-        run_exact(run, places.data(), nullptr, 0, len);
+        ExactOrigin origin;
+        origin.col = c0;
+        run_exact(run, places.data(), nullptr, 0, len, origin);
         k += run.count;
         continue;
       }

@@ -4,6 +4,8 @@
 #include "neuron.h"
 
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <unordered_map>
@@ -61,6 +63,39 @@ void flush_rows(c10::DeviceIndex d, int64_t stream, std::vector<Op>& ops,
 // values: whatever the plan numbers its memory operands by). A rows plan's run may instead
 // go row by row (by_row): then its registers hold whole rows, steps may also compute per-row
 // values (narrow: one element per row), and last-dim sum, mean and amax join it.
+// Where eager's fp32 mul kernel met each element of its output. A product of two NaNs is one
+// of them, and which one depends on the loop that computed it: ATen's vector loop and scalar
+// tail give the second operand's, its compiler-vectorized tail in places the first's.
+class EagerNanOrder {
+ public:
+  struct Operand {
+    std::vector<int64_t> sizes, strides;  // as eager saw it; a scalar is 0-dim
+  };
+  // flat: the run addresses elements by their index in the (contiguous) output.
+  EagerNanOrder(Operand out, Operand a, Operand b, bool flat)
+      : out_(std::move(out)), a_(std::move(a)), b_(std::move(b)), flat_(flat) {}
+  // Did eager give the element at `offset` (elements from the output's first) the first
+  // operand's NaN?
+  bool first(int64_t offset) const;
+  // The output offset of an element from its coordinates in the run's shape (rows, then the
+  // column; narrow instructions have column 0).
+  int64_t offset(const int64_t* coords, int ncoords) const;
+
+ private:
+  void build() const;
+  Operand out_, a_, b_;
+  bool flat_;
+  mutable std::once_flag once_;
+  // The TensorIterator eager built: its shape and byte strides per operand (out, a, b).
+  mutable std::vector<int64_t> shape_;
+  mutable std::vector<int64_t> strides_[3];
+  mutable std::vector<int> by_out_stride_;  // dims, largest output stride first
+  mutable int kind_ = 0;
+  mutable std::vector<std::pair<int64_t, int64_t>> ranges_;
+};
+// Does this machine's ATen fp32 mul follow a pattern EagerNanOrder can model? Probed once.
+bool mul_nan_order_known();
+
 struct ExactRun {
   static constexpr int kMaxRegs = 16;
   enum Code : uint8_t { kAdd, kSub, kMul, kDiv, kNeg, kAbs, kSquare, kReciprocal, kExp,
@@ -76,6 +111,7 @@ struct ExactRun {
     int reg;
     int store = -1;  // memory operand the result is written to, if anyone reads it later
     bool narrow = false;  // by_row runs: a per-row value (reductions produce these)
+    std::shared_ptr<const EagerNanOrder> nan_order;  // mul: both operands may be NaN
   };
   std::vector<Ins> ins;
   std::vector<int> mem;  // the plan's view of each memory operand
@@ -90,6 +126,7 @@ struct ExactOp {
   float sa = 0, sb = 0;
   int out = -1;
   bool narrow = false;
+  std::shared_ptr<const EagerNanOrder> nan_order;
 };
 // The shape class of steps that go by row (whatever their shapes).
 constexpr int kByRowClass = -1;
@@ -121,8 +158,15 @@ struct ExactPlace {
 // A fused kernel of n_ops ops, one_pass_ops of them in one-pass runs.
 void count_fused(int64_t n_ops, int64_t one_pass_ops);
 int64_t one_pass_ops(const std::vector<ExactRun>& runs);
+// Where the evaluated elements lie in the run's full shape: the first row's index per row
+// dim and the first column's (rows windows' blocks), or the flat offset (pure windows' chunks).
+struct ExactOrigin {
+  int64_t row[kMaxRowDims] = {};
+  int64_t col = 0;
+};
 // Evaluates the run over rows x width elements (rows: the sizes of up to kMaxRowDims dims),
 // tile by tile, or row by row for by_row runs.
-void run_exact(const ExactRun& r, const ExactPlace* places, const int64_t* rows, int nrows, int64_t width);
+void run_exact(const ExactRun& r, const ExactPlace* places, const int64_t* rows, int nrows, int64_t width,
+               const ExactOrigin& origin);
 
 }  // namespace neuron::fusion::detail

@@ -548,6 +548,25 @@ bool exact_op(const c10::FunctionSchema& s, const torch::jit::Stack& stack, size
   }
 }
 
+// Of the exact ops, those whose result bits do not depend on the loop either where NaNs are
+// involved. ATen's loops differ there: fp32/fp64 mul gives one operand's NaN or the other's
+// when both are NaN, maximum/minimum/clamp give a different NaN in the vector loop than in the
+// scalar one, and the bf16/fp16 kernels round a NaN to a different one in each. Where the
+// result is no float, or a selection copies its operand's bits (where), no loop matters.
+// (Checked against ATen by tests/device/test_adaptive_eager_nan_order.py.)
+bool split_free_op(const c10::FunctionSchema& s, c10::ScalarType result) {
+  if (!c10::isFloatingType(result)) return true;
+  if (s.name() == "aten::where") return true;
+  if (result != c10::kFloat && result != c10::kDouble) return false;
+  static const std::unordered_map<std::string, bool> by_tensor_bound = {
+      {"aten::mul", false}, {"aten::maximum", false}, {"aten::minimum", false},
+      {"aten::clamp", true}, {"aten::clamp_min", true}, {"aten::clamp_max", true}};
+  const auto it = by_tensor_bound.find(s.name());
+  if (it == by_tensor_bound.end()) return true;
+  // clamp with Scalar bounds compares against a number, which is never NaN-sensitive here.
+  return it->second && s.overload_name().find("Tensor") == std::string::npos;
+}
+
 // Does a row op qualify: its `dim` is the last one of a tensor of rank >= 2 (for cat, every
 // input's), every operand is on this device, and `iter` gets its iteration shape.
 // window_open: ops wait in the device's fusion window. A small op only ever joins one that is
@@ -978,6 +997,11 @@ bool try_launch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
     f.pure = pure;
     f.row = row;
     f.exact = plan.row_kind != Plan::kNone || exact_op(schema, *stack, base);
+    if (f.exact) {
+      const bool has_result = plan.inplace_self >= 0 || !out_dev.empty();
+      f.split_free = plan.row_kind != Plan::kNone ||
+                     (has_result && split_free_op(schema, written(plan, *stack, base, out_dev).scalar_type()));
+    }
     f.kernel = use_out ? *plan.out_op : op;
     f.use_out = use_out;
     f.self = plan.inplace_self;

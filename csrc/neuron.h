@@ -76,9 +76,10 @@ struct Op {
   std::vector<int64_t> shape;         // iteration shape: the output's, a reduction's input's
   // pure: every operand contiguous and of `shape` (chunks of the flat range are independent).
   // row: operands broadcast to `shape`, or it reduces or concatenates along the last dim
-  // (blocks of whole rows are independent). exact: each element's bits do not depend on
-  // which of ATen's vector or scalar loops computes it.
-  bool pure = false, row = false, exact = false;
+  // (blocks of whole rows are independent). exact: each element's value does not depend on
+  // which of ATen's vector or scalar loops computes it; split_free: nor do its bits where NaNs
+  // are involved (which NaN a result is).
+  bool pure = false, row = false, exact = false, split_free = false;
   // A `_foreach_` op: one pure op per list index (then `shape` holds their element counts).
   std::vector<Op> parts;
   const char* name = nullptr;

@@ -33,12 +33,3 @@ def run_twice(fn, *cpu_inputs):
     got = [g.cpu() for g in got] if isinstance(got, list) else got.cpu()
     return want, got, stats
 
-
-def assert_same_values(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
-    """Bit for bit, except that any two NaNs match: for random programs, where a product of
-    two different NaNs can differ in payload (see docs/device.md, "Known difference")."""
-    assert got.dtype == want.dtype and got.shape == want.shape, what
-    g, w = got.detach().cpu().contiguous(), want.detach().contiguous()
-    both = torch.isnan(g) & torch.isnan(w)
-    same = torch.equal(torch.isnan(g), torch.isnan(w)) and torch.equal(bits(g)[~both], bits(w)[~both])
-    assert same, f"{what}: results differ"

