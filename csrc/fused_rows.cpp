@@ -3,8 +3,8 @@
 // run as one kernel over blocks of whole rows. A reduction sees each row whole (ATen
 // reduces a contiguous row by itself, whatever the rest of the tensor holds), and each op
 // on a block is ATen's own CPU kernel, run serially inside the kernel's parallel loop.
-// Ops whose bits depend on ATen's vector/scalar split join only where block cuts fall on
-// eager's own split points (see make_row_plan).
+// Ops whose bits depend on ATen's vector/scalar split join only where ATen, run on each
+// block, meets every element in the loop eager met it in (see loops_match_eager).
 #include "fusion_internal.h"
 
 #include <ATen/Parallel.h>

@@ -19,7 +19,8 @@
 //   concatenation along it, over tensors that share their leading (row) dims. Blocks are
 //   sets of whole rows, so a reduction sees each row whole (ATen reduces a row by itself,
 //   whatever the rest of the tensor holds). Ops whose bits depend on the vector/scalar split
-//   (transcendentals) are taken only where block cuts fall on eager's own split points.
+//   (transcendentals; NaN-sensitive ones, see Op::split_free) are taken only where ATen on
+//   each block meets every element in eager's own loop (fused_rows.cpp, loops_match_eager).
 #include "fusion_internal.h"
 
 #include <ATen/Parallel.h>

@@ -188,11 +188,14 @@ def _program(steps, x, w):
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 @given(steps=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 30), st.integers(0, 30),
                                 st.integers(0, 60)), min_size=2, max_size=10),
-       shape=st.sampled_from([(256, 256), (70, 1000), (3, 129, 128), (40000, 4)]),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
-def test_random_row_programs_match_cpu(steps, shape, dtype):
+       shape=st.sampled_from([(256, 256), (70, 1000), (3, 129, 128), (40000, 4), (301, 1000)]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       nans=st.booleans())
+def test_random_row_programs_match_cpu(steps, shape, dtype, nans):
     torch.manual_seed(len(steps))
     x = torch.randn(shape).to(dtype)
+    if nans:
+        x[torch.rand(shape) < 0.2] = float("nan")
     w = torch.randn(shape[-1]).to(dtype)
     want = _program(steps, x, w)
     xd, wd = x.to(N), w.to(N)
