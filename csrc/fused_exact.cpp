@@ -192,6 +192,10 @@ const std::optional<std::array<LoopNanPattern, 4>>& mul_nan_patterns() {
 
 bool mul_nan_order_known() { return mul_nan_patterns().has_value(); }
 
+EagerNanOrder::EagerNanOrder(Operand out, Operand a, Operand b, bool flat)
+    : out_(std::move(out)), a_(std::move(a)), b_(std::move(b)), flat_(flat),
+      ranges_(eager_ranges(c10::multiply_integers(out_.sizes))) {}
+
 void EagerNanOrder::build() const {
   // Eager's mul built its TensorIterator from these operands: build it again, over meta
   // tensors, for its dim order, coalesced shape and strides.
@@ -220,7 +224,7 @@ void EagerNanOrder::build() const {
           : s[0] == 4 && s[1] == 0 && s[2] == 4 ? 1
           : s[0] == 4 && s[1] == 4 && s[2] == 0 ? 2
                                                 : 3;
-  ranges_ = eager_ranges(iter.numel());
+  TORCH_CHECK(iter.numel() == ranges_.back().second, "neuron: internal error: eager's iteration size");
 }
 
 int64_t EagerNanOrder::offset(const int64_t* coords, int ncoords) const {

@@ -72,8 +72,9 @@ class EagerNanOrder {
     std::vector<int64_t> sizes, strides;  // as eager saw it; a scalar is 0-dim
   };
   // flat: the run addresses elements by their index in the (contiguous) output.
-  EagerNanOrder(Operand out, Operand a, Operand b, bool flat)
-      : out_(std::move(out)), a_(std::move(a)), b_(std::move(b)), flat_(flat) {}
+  // Built where the window is planned: eager's thread ranges are read there, outside any
+  // parallel region (as eager's launch was).
+  EagerNanOrder(Operand out, Operand a, Operand b, bool flat);
   // Did eager give the element at `offset` (elements from the output's first) the first
   // operand's NaN?
   bool first(int64_t offset) const;
@@ -91,7 +92,7 @@ class EagerNanOrder {
   mutable std::vector<int64_t> strides_[3];
   mutable std::vector<int> by_out_stride_;  // dims, largest output stride first
   mutable int kind_ = 0;
-  mutable std::vector<std::pair<int64_t, int64_t>> ranges_;
+  std::vector<std::pair<int64_t, int64_t>> ranges_;  // eager's thread ranges
 };
 // Does this machine's ATen fp32 mul follow a pattern EagerNanOrder can model? Probed once.
 bool mul_nan_order_known();
