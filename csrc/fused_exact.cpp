@@ -9,7 +9,6 @@
 #include <ATen/Context.h>
 #include <ATen/TensorIterator.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/empty_strided.h>
 #include <ATen/ops/mul_cpu_dispatch.h>
 #include <ATen/ops/amax_cpu_dispatch.h>
 #include <ATen/ops/exp_cpu_dispatch.h>
@@ -197,10 +196,14 @@ EagerNanOrder::EagerNanOrder(Operand out, Operand a, Operand b, bool flat)
       ranges_(eager_ranges(c10::multiply_integers(out_.sizes))) {}
 
 void EagerNanOrder::build() const {
-  // Eager's mul built its TensorIterator from these operands: build it again, over meta
-  // tensors, for its dim order, coalesced shape and strides.
-  const auto meta = at::TensorOptions().dtype(at::kFloat).device(at::kMeta);
-  auto make = [&](const Operand& o) { return at::empty_strided(o.sizes, o.strides, meta); };
+  // Eager's mul built its TensorIterator from these operands: build it again for its dim
+  // order, coalesced shape and strides. Over CPU tensors that only describe the operands (a
+  // TensorIterator over meta tensors skips coalescing), on a buffer nobody reads: building an
+  // iterator touches no element.
+  static float nowhere[1];
+  auto make = [&](const Operand& o) {
+    return at::from_blob(nowhere, o.sizes, o.strides, at::TensorOptions().dtype(at::kFloat));
+  };
   at::Tensor out = make(out_), a = make(a_), b = make(b_);
   at::TensorIterator iter = at::TensorIteratorConfig()
                                 .set_check_mem_overlap(false)

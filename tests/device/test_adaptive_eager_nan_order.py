@@ -174,3 +174,17 @@ def test_products_of_two_nans_over_per_row_values():
         r = x.amin(-1).rsqrt()  # -NaN where a row's minimum is negative
         return [top * r, r * top]
     assert _check(program, x, y)["one_pass_ops"] >= 2
+
+
+@pytest.mark.parametrize("shape", [(1000, 1000), (333, 998), (4097, 77)], ids=str)
+def test_products_with_a_nan_scalar_over_rows_eager_coalesces(shape):
+    # Eager runs (x + s) * nan over the flat elements (its loop calls are the thread ranges,
+    # not rows): the run must model eager's coalesced iteration, not the rows it goes by.
+    torch.manual_seed(3)
+    x = torch.randn(shape)
+    x.view(torch.int32)[torch.rand(shape) < 0.3] = 0x7FC00001
+
+    def program(x):
+        s = x.sum(-1, keepdim=True)
+        return [(x + s) * float("nan"), float("nan") * (x - s)]
+    assert _check(program, x)["one_pass_ops"] >= 4
