@@ -12,8 +12,8 @@ import torch
 from _compare import assert_same_bits, bits, run_twice
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-# 300 x 1000: eager's two thread ranges meet inside row 150, 16 elements before a vector
-# boundary, so the first range ends in a scalar tail that a block of rows would run vectorized.
+# 300 x 1000: eager's two thread ranges meet at row 150, and over the flat elements the first
+# ends in a tail of 16 (150000 = 32 * 4687 + 16) that a block of rows runs in its vector loop.
 # 301 x 1000: the ranges meet in the middle of row 150, which eager runs as two loop calls.
 SHAPES = [(300, 1000), (301, 1000), (70, 1000), (1000, 77), (4096, 333)]
 
