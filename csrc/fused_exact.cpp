@@ -191,8 +191,8 @@ const std::optional<std::array<LoopNanPattern, 4>>& mul_nan_patterns() {
 
 bool mul_nan_order_known() { return mul_nan_patterns().has_value(); }
 
-EagerNanOrder::EagerNanOrder(Operand out, Operand a, Operand b, bool flat)
-    : out_(std::move(out)), a_(std::move(a)), b_(std::move(b)), flat_(flat),
+EagerNanOrder::EagerNanOrder(Operand out, Operand a, Operand b)
+    : out_(std::move(out)), a_(std::move(a)), b_(std::move(b)),
       ranges_(eager_ranges(c10::multiply_integers(out_.sizes))) {}
 
 void EagerNanOrder::build() const {
@@ -231,7 +231,6 @@ void EagerNanOrder::build() const {
 }
 
 int64_t EagerNanOrder::offset(const int64_t* coords, int ncoords) const {
-  if (flat_) return coords[ncoords - 1];
   const int rank = int(out_.sizes.size());
   int64_t off = 0;
   for (int m = 0; m < rank; ++m) {
@@ -296,6 +295,13 @@ std::optional<ExactOp> decode_exact(const c10::FunctionSchema& s, const std::vec
                 : view[0] >= 0 && operand(0, op.a, op.sa);
   if (!ok) return std::nullopt;
   return op;
+}
+
+void model_nan_order(ExactOp& op, const std::function<EagerNanOrder::Operand(int)>& operand) {
+  auto may_be_nan = [](int view, float scalar) { return view >= 0 || scalar != scalar; };
+  if (op.code != ExactRun::kMul || !may_be_nan(op.a, op.sa) || !may_be_nan(op.b, op.sb)) return;
+  auto of = [&](int view) { return view >= 0 ? operand(view) : EagerNanOrder::Operand{}; };
+  op.nan_order = std::make_shared<const EagerNanOrder>(of(op.out), of(op.a), of(op.b));
 }
 
 std::vector<ExactRun> make_runs(const std::vector<ExactStepInfo>& steps, const std::vector<int>& value_of,
@@ -393,6 +399,10 @@ inline float pick(bool c, float a, float b) {
   return out;
 }
 
+// x * y, with ATen's vector loop's NaN of two: the second operand's (quieted). A lambda, so
+// the loops below inline it.
+constexpr auto product = [](float x, float y) { return pick(y != y, y + y, x * y); };
+
 template <class F>
 inline __attribute__((always_inline)) void binary(const float* A, float sa, const float* B, float sb, float* D, int n, F f) {
   if (A && B) {
@@ -427,11 +437,12 @@ inline __attribute__((always_inline))
 void compute_one(ExactRun::Code c, const float* A, float sa, const float* B, float sb, float* D, int n) {
   using C = ExactRun::Code;
   switch (c) {
-    // Two NaN operands: ATen's kernels return other's (quieted) for +, -, * and self's for /,
-    // whichever operand order the compiler picks for the instruction. (y + y quiets y.)
+    // Two NaN operands: ATen's kernels return other's (quieted) for +, - and self's for /,
+    // whichever operand order the compiler picks for the instruction. (y + y quiets y.) For *
+    // other's too, except in parts of its loop tails: runs give those eager's (nan_order).
     case C::kAdd: return binary(A, sa, B, sb, D, n, [](float x, float y) { return pick(y != y, y + y, x + y); });
     case C::kSub: return binary(A, sa, B, sb, D, n, [](float x, float y) { return pick(y != y, y + y, x - y); });
-    case C::kMul: return binary(A, sa, B, sb, D, n, [](float x, float y) { return pick(y != y, y + y, x * y); });
+    case C::kMul: return binary(A, sa, B, sb, D, n, product);
     case C::kDiv: return binary(A, sa, B, sb, D, n, [](float x, float y) { return pick(x != x, x + x, x / y); });
     case C::kNeg: return unary(A, sa, D, n, [](float x) { return -x; });
     case C::kAbs: return unary(A, sa, D, n, [](float x) { return std::fabs(x); });
@@ -466,54 +477,43 @@ void compute_rows(ExactRun::Code c, const float* A, const float* sa, const float
   }
 }
 
-// Does any element have two NaN operands? (Then a product's NaN depends on eager's loop.)
-__attribute__((target_clones("avx512f", "avx2", "default")))
-bool nan_pairs(const float* A, float sa, const float* B, float sb, int n) {
-  if ((!A && sa == sa) || (!B && sb == sb)) return false;
-  if (!A && !B) return true;
-  int bad = 0;
-  if (A && B) {
-#pragma omp simd reduction(| : bad)
-    for (int k = 0; k < n; ++k) bad |= (A[k] != A[k]) & (B[k] != B[k]);
-  } else {
-    const float* X = A ? A : B;
-#pragma omp simd reduction(| : bad)
-    for (int k = 0; k < n; ++k) bad |= X[k] != X[k];
-  }
-  return bad != 0;
-}
-
 // The product as compute's kMul, also telling whether any element had two NaN operands
 // (in the same pass: a second pass over the operands measured 2-4% slower on GELU).
 __attribute__((target_clones("avx512f", "avx2", "default")))
 bool mul_flagged(const float* A, float sa, const float* B, float sb, float* D, int n) {
-  auto mul = [](float x, float y) { return pick(y != y, y + y, x * y); };
   int bad = 0;
   if (A && B) {
 #pragma omp simd reduction(| : bad)
     for (int k = 0; k < n; ++k) {
       const float x = A[k], y = B[k];
       bad |= (x != x) & (y != y);
-      D[k] = mul(x, y);
+      D[k] = product(x, y);
     }
     return bad != 0;
   }
-  binary(A, sa, B, sb, D, n, mul);
-  return nan_pairs(A, sa, B, sb, n);
+  binary(A, sa, B, sb, D, n, product);
+  // A scalar operand: pairs where it is NaN and so is the other.
+  if ((!A && sa == sa) || (!B && sb == sb)) return false;
+  const float* X = A ? A : B;
+  if (!X) return true;
+#pragma omp simd reduction(| : bad)
+  for (int k = 0; k < n; ++k) bad |= X[k] != X[k];
+  return bad != 0;
 }
 
-// A product segment with NaN pairs, element by element: each pair's NaN is the operand eager's
-// loop gave there. coords: the segment's first element in the run's shape (its column last).
+// A product segment element by element: each pair of NaNs gives the operand's NaN eager's
+// loop gave there. coords: the segment's first element in the run's shape (its column last;
+// a per-row value's output has no column to place it by).
 void mul_with_nan_order(const EagerNanOrder& order, const float* A, float sa, const float* B, float sb,
-                        float* D, int n, int64_t* coords, int ncoords, bool narrow) {
+                        float* D, int n, int64_t* coords, int ncoords) {
   const int64_t col0 = coords[ncoords - 1];
   for (int k = 0; k < n; ++k) {
-    const float x = A ? A[k] : sa, y = B ? B[k] : sb;  // read before D[k] (may alias) is written
+    const float x = A ? A[k] : sa, y = B ? B[k] : sb;
     if (x == x || y == y) {
-      D[k] = pick(y != y, y + y, x * y);
+      D[k] = product(x, y);
       continue;
     }
-    coords[ncoords - 1] = narrow ? 0 : col0 + k;
+    coords[ncoords - 1] = col0 + k;
     D[k] = order.first(order.offset(coords, ncoords)) ? x + x : y + y;  // x + x quiets x
   }
   coords[ncoords - 1] = col0;
@@ -778,15 +778,16 @@ void run_exact(const ExactRun& r, const ExactPlace* places, const int64_t* rows,
               TORCH_CHECK(!A && !B, "neuron: internal error: a per-row value computed from a whole row");
             }
           }
-          // Per-row values of the group: one call over its rows' scalars.
-          if (in.code < C::kRowSum) compute_rows(in.code, nullptr, sa, nullptr, sb, val[in.reg], gn, 1);
+          // Per-row values of the group: one call over its rows' scalars (products that may
+          // meet two NaNs row by row).
           if (in.nan_order) {
             for (int64_t g = 0; g < gn; ++g) {
-              if (!nan_pairs(nullptr, sa[g], nullptr, sb[g], 1)) continue;
               int64_t c[kMaxRowDims + 1];
               const int nc = coords_of(g, 0, c);
-              mul_with_nan_order(*in.nan_order, nullptr, sa[g], nullptr, sb[g], &val[in.reg][g], 1, c, nc, true);
+              mul_with_nan_order(*in.nan_order, nullptr, sa[g], nullptr, sb[g], &val[in.reg][g], 1, c, nc);
             }
+          } else if (in.code < C::kRowSum) {
+            compute_rows(in.code, nullptr, sa, nullptr, sb, val[in.reg], gn, 1);
           }
           if (in.store >= 0) {
             for (int64_t g = 0; g < gn; ++g) row_ptrs[g * m + in.store][0] = val[in.reg][g];
@@ -828,7 +829,7 @@ void run_exact(const ExactRun& r, const ExactPlace* places, const int64_t* rows,
             if (!redo[g]) continue;
             int64_t c[kMaxRowDims + 1];
             const int nc = coords_of(g, j0, c);
-            mul_with_nan_order(*in.nan_order, A[g], sa[g], B[g], sb[g], at[in.reg][g], int(n), c, nc, in.narrow);
+            mul_with_nan_order(*in.nan_order, A[g], sa[g], B[g], sb[g], at[in.reg][g], int(n), c, nc);
           }
         } else if (whole) {
           compute(in.code, A[0], sa[0], B[0], sb[0], at[in.reg][0], int(gn * n));

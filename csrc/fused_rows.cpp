@@ -173,15 +173,8 @@ void plan_exact_runs(RowPlan& p, const std::vector<Op>& ops, const std::vector<i
     auto c = classes.emplace(ops[k].shape, int(classes.size())).first;
     info[k].shape_class = c->second;
     if (ops[k].exact && aligned) info[k].op = decode_exact(st.kernel.schema(), view, constant, st.out, is_float);
-    // A product of two NaNs takes the NaN of the loop eager ran there: eager's loops over these
-    // operands, as it saw them.
-    ExactOp* mul = info[k].op ? &*info[k].op : nullptr;
-    if (mul && mul->code == ExactRun::kMul && (mul->a >= 0 || mul->sa != mul->sa) &&
-        (mul->b >= 0 || mul->sb != mul->sb)) {
-      auto operand = [&](int v) {
-        return v >= 0 ? EagerNanOrder::Operand{p.views[v].sizes, p.views[v].strides} : EagerNanOrder::Operand{};
-      };
-      mul->nan_order = std::make_shared<const EagerNanOrder>(operand(mul->out), operand(mul->a), operand(mul->b), false);
+    if (info[k].op) {
+      model_nan_order(*info[k].op, [&](int v) { return EagerNanOrder::Operand{p.views[v].sizes, p.views[v].strides}; });
     }
     if (!by_row) continue;
     if (info[k].op && (ops[k].shape == shape || ops[k].shape == narrow)) {

@@ -197,15 +197,9 @@ void plan_runs(Plan& p, const std::vector<Op>& ops) {
       constant.push_back(a.value >= 0 ? nullptr : &a.constant);
     }
     if (ops[k].exact) info[k].op = decode_exact(st.kernel.schema(), view, constant, st.out, is_float);
-    // A product of two NaNs takes the NaN of the loop eager ran there: over a pure window's
-    // contiguous operands, eager's loop calls are its thread ranges of the flat elements.
-    ExactOp* op = info[k].op ? &*info[k].op : nullptr;
-    if (op && op->code == ExactRun::kMul && (op->a >= 0 || op->sa != op->sa) && (op->b >= 0 || op->sb != op->sb)) {
-      auto flat = [&](int v) {
-        return v >= 0 ? EagerNanOrder::Operand{{ops[k].numel}, {1}} : EagerNanOrder::Operand{};
-      };
-      op->nan_order = std::make_shared<const EagerNanOrder>(flat(op->out), flat(op->a), flat(op->b), true);
-    }
+    // A pure window's operands are contiguous, of one shape: to eager, and to the run, flat.
+    const int64_t numel = ops[k].numel;
+    if (info[k].op) model_nan_order(*info[k].op, [numel](int) { return EagerNanOrder::Operand{{numel}, {1}}; });
   }
   std::vector<int> identity(p.values.size());
   std::vector<bool> dead_values;

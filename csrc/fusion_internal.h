@@ -58,11 +58,6 @@ bool saves_traffic(const std::vector<std::set<int>>& touched, const std::vector<
 void flush_rows(c10::DeviceIndex d, int64_t stream, std::vector<Op>& ops,
                 const std::vector<std::vector<Ref>>& refs, const std::vector<int64_t>& shape);
 
-// fused_exact.cpp: a run of consecutive IEEE-exact fp32 pointwise steps of one iteration
-// shape, evaluated in one pass over L1-sized tiles. Operands are the plan's views (or
-// values: whatever the plan numbers its memory operands by). A rows plan's run may instead
-// go row by row (by_row): then its registers hold whole rows, steps may also compute per-row
-// values (narrow: one element per row), and last-dim sum, mean and amax join it.
 // Where eager's fp32 mul kernel met each element of its output. A product of two NaNs is one
 // of them, and which one depends on the loop that computed it: ATen's vector loop and scalar
 // tail give the second operand's, its compiler-vectorized tail in places the first's.
@@ -71,10 +66,9 @@ class EagerNanOrder {
   struct Operand {
     std::vector<int64_t> sizes, strides;  // as eager saw it; a scalar is 0-dim
   };
-  // flat: the run addresses elements by their index in the (contiguous) output.
   // Built where the window is planned: eager's thread ranges are read there, outside any
   // parallel region (as eager's launch was).
-  EagerNanOrder(Operand out, Operand a, Operand b, bool flat);
+  EagerNanOrder(Operand out, Operand a, Operand b);
   // Did eager give the element at `offset` (elements from the output's first) the first
   // operand's NaN?
   bool first(int64_t offset) const;
@@ -85,7 +79,6 @@ class EagerNanOrder {
  private:
   void build() const;
   Operand out_, a_, b_;
-  bool flat_;
   mutable std::once_flag once_;
   // The TensorIterator eager built: its shape and byte strides per operand (out, a, b).
   mutable std::vector<int64_t> shape_;
@@ -97,6 +90,11 @@ class EagerNanOrder {
 // Does this machine's ATen fp32 mul follow a pattern EagerNanOrder can model? Probed once.
 bool mul_nan_order_known();
 
+// fused_exact.cpp: a run of consecutive IEEE-exact fp32 pointwise steps of one iteration
+// shape, evaluated in one pass over L1-sized tiles. Operands are the plan's views (or
+// values: whatever the plan numbers its memory operands by). A rows plan's run may instead
+// go row by row (by_row): then its registers hold whole rows, steps may also compute per-row
+// values (narrow: one element per row), and last-dim sum, mean and amax join it.
 struct ExactRun {
   static constexpr int kMaxRegs = 16;
   enum Code : uint8_t { kAdd, kSub, kMul, kDiv, kNeg, kAbs, kSquare, kReciprocal, kExp,
@@ -144,6 +142,10 @@ bool row_sum_matches_aten(int64_t width);
 std::optional<ExactOp> decode_exact(const c10::FunctionSchema& s, const std::vector<int>& view,
                                     const std::vector<const IValue*>& constant, int out,
                                     const std::function<bool(int)>& is_float);
+// A decoded product whose operands may both be NaN gets eager's loops over its operands
+// (`operand(view)`: the view's sizes and strides as eager saw them) to give each such
+// element the NaN eager gave it.
+void model_nan_order(ExactOp& op, const std::function<EagerNanOrder::Operand(int)>& operand);
 // Runs over maximal stretches of decoded steps. value_of: each view's value; touched: the
 // values each step reads or writes; dead: values nobody outside the kernel reads.
 std::vector<ExactRun> make_runs(const std::vector<ExactStepInfo>& steps, const std::vector<int>& value_of,

@@ -501,21 +501,36 @@ bool fusible(const Plan& plan, const torch::jit::Stack& stack, size_t base, size
   });
 }
 
+// How an exact op's NaN results depend on ATen's loop where they are fp32/fp64 (which NaN a
+// result is, not whether it is one): not at all; yes (mul of two NaNs gives one operand's NaN
+// or the other's, maximum/minimum give an all-ones NaN in the vector loop and the default NaN
+// in the scalar one); yes with tensor bounds only (clamp); or the op copies its operand's
+// bits (where). bf16/fp16 kernels round a NaN to a different NaN in each loop, whatever the
+// op. (Checked against ATen by tests/device/test_adaptive_eager_nan_order.py.)
+enum class NanLoop : uint8_t { kFree, kLoop, kLoopWithTensorBound, kCopied };
+
 // Ops whose result for an element does not depend on whether ATen's vectorized loop or its
 // scalar tail computes it: IEEE-exact arithmetic (no fused multiply-add), comparisons and
 // selections. Transcendental functions are not: their vector and scalar versions differ in
 // the last bit, so where a fused kernel splits their range matters. fp32 exp is the exception
 // where ATen computes it with MKL (one function for every element; see exp_joins_runs).
-bool exact_op(const c10::FunctionSchema& s, const torch::jit::Stack& stack, size_t base) {
-  static const std::unordered_map<std::string, int> names = {
-      {"aten::add", 1}, {"aten::sub", 1}, {"aten::rsub", 1}, {"aten::mul", 0}, {"aten::neg", 0},
-      {"aten::abs", 0}, {"aten::maximum", 0}, {"aten::minimum", 0}, {"aten::clamp", 0},
-      {"aten::clamp_min", 0}, {"aten::clamp_max", 0}, {"aten::relu", 0}, {"aten::where", 0},
-      {"aten::sqrt", 0}, {"aten::rsqrt", 4}, {"aten::reciprocal", 0}, {"aten::eq", 0},
-      {"aten::ne", 0}, {"aten::lt", 0}, {"aten::le", 0}, {"aten::gt", 0}, {"aten::ge", 0},
-      {"aten::div", 2}, {"aten::pow", 3}, {"aten::exp", 5}};
+// `nan`: how its NaN results depend on the loop.
+bool exact_op(const c10::FunctionSchema& s, const torch::jit::Stack& stack, size_t base, NanLoop& nan) {
+  using N = NanLoop;
+  static const std::unordered_map<std::string, std::pair<int, N>> names = {
+      {"aten::add", {1, N::kFree}}, {"aten::sub", {1, N::kFree}}, {"aten::rsub", {1, N::kFree}},
+      {"aten::mul", {0, N::kLoop}}, {"aten::neg", {0, N::kFree}}, {"aten::abs", {0, N::kFree}},
+      {"aten::maximum", {0, N::kLoop}}, {"aten::minimum", {0, N::kLoop}},
+      {"aten::clamp", {0, N::kLoopWithTensorBound}}, {"aten::clamp_min", {0, N::kLoopWithTensorBound}},
+      {"aten::clamp_max", {0, N::kLoopWithTensorBound}}, {"aten::relu", {0, N::kFree}},
+      {"aten::where", {0, N::kCopied}}, {"aten::sqrt", {0, N::kFree}}, {"aten::rsqrt", {4, N::kFree}},
+      {"aten::reciprocal", {0, N::kFree}}, {"aten::eq", {0, N::kFree}}, {"aten::ne", {0, N::kFree}},
+      {"aten::lt", {0, N::kFree}}, {"aten::le", {0, N::kFree}}, {"aten::gt", {0, N::kFree}},
+      {"aten::ge", {0, N::kFree}}, {"aten::div", {2, N::kFree}}, {"aten::pow", {3, N::kFree}},
+      {"aten::exp", {5, N::kFree}}};
   auto it = names.find(s.name());
   if (it == names.end()) return false;
+  nan = it->second.second;
   const auto& args = s.arguments();
   auto arg = [&](const char* name) -> const IValue* {
     for (size_t i = 0; i < args.size(); ++i) {
@@ -523,7 +538,7 @@ bool exact_op(const c10::FunctionSchema& s, const torch::jit::Stack& stack, size
     }
     return nullptr;
   };
-  switch (it->second) {
+  switch (it->second.first) {
     case 1: {  // `self + alpha * other` runs as one fused multiply-add in the vector loop
       const IValue* alpha = arg("alpha");
       return !alpha || (alpha->isScalar() && alpha->toScalar().equal(1));
@@ -548,23 +563,12 @@ bool exact_op(const c10::FunctionSchema& s, const torch::jit::Stack& stack, size
   }
 }
 
-// Of the exact ops, those whose result bits do not depend on the loop either where NaNs are
-// involved. ATen's loops differ there: fp32/fp64 mul gives one operand's NaN or the other's
-// when both are NaN, maximum/minimum/clamp give a different NaN in the vector loop than in the
-// scalar one, and the bf16/fp16 kernels round a NaN to a different one in each. Where the
-// result is no float, or a selection copies its operand's bits (where), no loop matters.
-// (Checked against ATen by tests/device/test_adaptive_eager_nan_order.py.)
-bool split_free_op(const c10::FunctionSchema& s, c10::ScalarType result) {
-  if (!c10::isFloatingType(result)) return true;
-  if (s.name() == "aten::where") return true;
+// Does an exact op's result depend on the loop in no bit, NaNs included? (fusion::Op::split_free)
+bool split_free(NanLoop nan, const c10::FunctionSchema& s, c10::ScalarType result) {
+  if (!c10::isFloatingType(result) || nan == NanLoop::kCopied) return true;
   if (result != c10::kFloat && result != c10::kDouble) return false;
-  static const std::unordered_map<std::string, bool> by_tensor_bound = {
-      {"aten::mul", false}, {"aten::maximum", false}, {"aten::minimum", false},
-      {"aten::clamp", true}, {"aten::clamp_min", true}, {"aten::clamp_max", true}};
-  const auto it = by_tensor_bound.find(s.name());
-  if (it == by_tensor_bound.end()) return true;
-  // clamp with Scalar bounds compares against a number, which is never NaN-sensitive here.
-  return it->second && s.overload_name().find("Tensor") == std::string::npos;
+  return nan == NanLoop::kFree ||
+         (nan == NanLoop::kLoopWithTensorBound && s.overload_name().find("Tensor") == std::string::npos);
 }
 
 // Does a row op qualify: its `dim` is the last one of a tensor of rank >= 2 (for cat, every
@@ -996,12 +1000,11 @@ bool try_launch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
     fusion::Op f;
     f.pure = pure;
     f.row = row;
-    f.exact = plan.row_kind != Plan::kNone || exact_op(schema, *stack, base);
-    if (f.exact) {
-      const bool has_result = plan.inplace_self >= 0 || !out_dev.empty();
-      f.split_free = plan.row_kind != Plan::kNone ||
-                     (has_result && split_free_op(schema, written(plan, *stack, base, out_dev).scalar_type()));
-    }
+    // Reductions and concatenations see whole rows, as eager does: no loop decides a bit.
+    NanLoop nan = NanLoop::kFree;
+    f.exact = plan.row_kind != Plan::kNone || exact_op(schema, *stack, base, nan);
+    f.split_free = plan.row_kind != Plan::kNone ||
+                   (f.exact && split_free(nan, schema, written(plan, *stack, base, out_dev).scalar_type()));
     f.kernel = use_out ? *plan.out_op : op;
     f.use_out = use_out;
     f.self = plan.inplace_self;

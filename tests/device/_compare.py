@@ -32,4 +32,3 @@ def run_twice(fn, *cpu_inputs):
     stats = torch_neuronx.adaptive_eager_stats()
     got = [g.cpu() for g in got] if isinstance(got, list) else got.cpu()
     return want, got, stats
-
