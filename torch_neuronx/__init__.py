@@ -19,6 +19,7 @@ import torch  # noqa: E402
 
 from . import _C  # noqa: F401  (registers allocator, guard, hooks, kernels)
 from . import _state
+from . import _random_ops  # noqa: F401,E402  (native_dropout draws from the neuron generator)
 
 __version__ = "0.1.0"
 

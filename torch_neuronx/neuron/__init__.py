@@ -15,6 +15,8 @@ from .memory import (empty_cache, max_memory_allocated, max_memory_reserved, mem
 from .random import (default_generator, get_rng_state, get_rng_state_all, initial_seed,
                      manual_seed, manual_seed_all, seed, seed_all, set_rng_state,
                      set_rng_state_all)
+from ._cuda_names import *  # noqa: F401,F403
+from ._cuda_names import __all__ as _cuda_names_all
 from .streams import (Event, Stream, StreamContext, current_stream, default_stream, set_stream,
                       stream)
 
@@ -96,4 +98,4 @@ __all__ = [
     "memory_reserved", "memory_stats", "memory_summary", "reset_accumulated_memory_stats",
     "reset_peak_memory_stats", "seed", "seed_all", "set_device", "set_per_process_memory_fraction",
     "set_rng_state", "set_rng_state_all", "set_stream", "stream", "synchronize",
-]
+] + _cuda_names_all

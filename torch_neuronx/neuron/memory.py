@@ -68,6 +68,10 @@ def set_per_process_memory_fraction(fraction: float, device=None) -> None:
     if not 0 <= fraction <= 1:
         raise ValueError(f"set_per_process_memory_fraction: fraction {fraction} is not in [0, 1]")
     _C._set_memory_limit(_index(device), int(config().hbm_bytes * fraction))
+    _fractions[_index(device)] = float(fraction)
+
+
+_fractions: dict = {}  # per device, for get_per_process_memory_fraction
 
 
 def _fmt(n: int) -> str:

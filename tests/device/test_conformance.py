@@ -1,0 +1,224 @@
+"""CUDA conformance of the neuron device: what a CUDA-tested program reaches.
+
+RNG: as on CUDA, ``torch.manual_seed`` seeds CPU and every device generator, and
+``torch.neuron.manual_seed`` only the device's. The device generator is CPU's Mersenne
+Twister, so under the same seed a neuron random op gives CPU's numbers (compared against
+the CPU op), and a neuron random op never advances CPU's stream.
+
+API names: every public name of ``torch.cuda`` and ``torch.cuda.memory`` in the installed
+torch has a ``torch.neuron`` counterpart, or is listed below with why it has no meaning here.
+"""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_neuronx  # noqa: F401
+
+DEV = "neuron"
+
+# torch.cuda names with no counterpart, and why. A new torch.cuda name fails the walk until
+# it is given a counterpart or a reason here.
+_CUDA_ONLY = {
+    **{n: "legacy typed tensor/storage classes; use torch.tensor(..., device='neuron')"
+       for n in ("BFloat16Storage", "BFloat16Tensor", "BoolStorage", "BoolTensor", "ByteStorage",
+                 "ByteTensor", "CharStorage", "CharTensor", "ComplexDoubleStorage",
+                 "ComplexFloatStorage", "DoubleStorage", "DoubleTensor", "FloatStorage",
+                 "FloatTensor", "HalfStorage", "HalfTensor", "IntStorage", "IntTensor",
+                 "LongStorage", "LongTensor", "ShortStorage", "ShortTensor")},
+    **{n: "CUDA graphs; neuron compiles through torch.compile"
+       for n in ("CUDAGraph", "graph", "graph_pool_handle", "graphs", "make_graphed_callables")},
+    **{n: "pluggable/caching allocator internals and memory pools of the CUDA caching allocator"
+       for n in ("CUDAPluggableAllocator", "MemPool", "caching_allocator_alloc",
+                 "caching_allocator_delete", "caching_allocator_disabled",
+                 "caching_allocator_enable", "change_current_allocator", "get_allocator_backend",
+                 "use_mem_pool", "memory_snapshot")},
+    **{n: "pinned host-allocator statistics of CUDA's host caching allocator"
+       for n in ("host_memory_stats", "host_memory_stats_as_nested_dict",
+                 "reset_accumulated_host_memory_stats", "reset_peak_host_memory_stats")},
+    **{n: "CUDA runtime/driver handles and errors"
+       for n in ("CudaError", "DeferredCudaCallError", "ExternalStream", "GreenContext",
+                 "check_error", "cudaStatus", "cudart", "current_blas_handle",
+                 "current_solver_handle", "get_stream_from_external", "get_gencode_flags",
+                 "ipc_collect", "has_half", "has_magma")},
+    **{n: "NVML telemetry of a physical GPU; the virtual core has none"
+       for n in ("clock_rate", "device_memory_used", "list_gpu_processes", "memory_usage",
+                 "power_draw", "temperature", "utilization")},
+    **{n: "CUDA-specific submodule (NVTX, NCCL, jiterator, TunableOp, cuSPARSE, profiler, amp "
+          "shim); torch.autocast('neuron') and torch.profiler cover the device"
+       for n in ("amp", "jiterator", "nccl", "nvtx", "profiler", "sparse", "tunable")},
+}
+
+
+def _public(obj):
+    return {n for n in dir(obj) if not n.startswith("_")}
+
+
+@pytest.mark.parametrize("module", ["torch.cuda", "torch.cuda.memory"])
+def test_every_cuda_name_has_a_counterpart_or_a_reason(module):
+    names = set(eval(module).__all__)
+    missing = sorted(n for n in names - set(_CUDA_ONLY) if not hasattr(torch.neuron, n))
+    assert not missing, f"{module} names without a torch.neuron counterpart: {missing}"
+    stale = sorted(n for n in _CUDA_ONLY if n in names and hasattr(torch.neuron, n))
+    assert not stale, f"listed as CUDA-only but torch.neuron has them: {stale}"
+
+
+def test_stream_and_event_methods_match_cuda():
+    s = torch.neuron.Stream()
+    e = torch.neuron.Event(enable_timing=True)
+    for cls, obj in ((torch.cuda.Stream, s), (torch.cuda.Event, e)):
+        ipc = {"ipc_handle", "from_ipc_handle"}  # CUDA IPC handles: no cross-process device
+        missing = sorted(n for n in _public(cls) - ipc if not hasattr(obj, n))
+        assert not missing, f"{cls.__name__} methods missing on neuron: {missing}"
+    e.record(s)
+    s.synchronize()
+    assert e.query() and s.query()
+    e2 = torch.neuron.Event(enable_timing=True)
+    e2.record(s)
+    e2.synchronize()
+    assert e.elapsed_time(e2) >= 0
+
+
+def test_deprecated_memory_aliases_equal_current_names():
+    x = torch.empty(1 << 16, device=DEV)
+    with pytest.warns(FutureWarning):
+        assert torch.neuron.memory_cached() == torch.neuron.memory_reserved()
+    with pytest.warns(FutureWarning):
+        assert torch.neuron.max_memory_cached() == torch.neuron.max_memory_reserved()
+    with pytest.warns(FutureWarning):
+        torch.neuron.reset_max_memory_allocated()
+    assert torch.neuron.max_memory_allocated() == torch.neuron.memory_allocated()
+    del x
+
+
+def test_memory_stats_as_nested_dict_holds_the_flat_stats():
+    torch.empty(1024, device=DEV)
+    flat = torch.neuron.memory_stats()
+    nested = torch.neuron.memory_stats_as_nested_dict()
+    for key, value in flat.items():
+        node = nested
+        for part in key.split("."):
+            node = node[part]
+        assert node == value, key
+
+
+def test_per_process_memory_fraction_round_trips():
+    try:
+        torch.neuron.set_per_process_memory_fraction(0.5)
+        assert torch.neuron.get_per_process_memory_fraction() == 0.5
+    finally:
+        torch.neuron.set_per_process_memory_fraction(1.0)
+    assert torch.neuron.get_per_process_memory_fraction() == 1.0
+
+
+def test_peer_access_capture_arch_tf32():
+    n = torch.neuron.device_count()
+    assert torch.neuron.can_device_access_peer(0, 0) is False  # as CUDA: not with itself
+    if n > 1:
+        assert torch.neuron.can_device_access_peer(0, 1) is True
+    with pytest.raises(RuntimeError, match="Invalid device index"):
+        torch.neuron.can_device_access_peer(0, n)
+    assert torch.neuron.is_current_stream_capturing() is False
+    assert torch.neuron.get_arch_list() == [torch.neuron.get_device_properties().core_version]
+    assert torch.neuron.is_tf32_supported() is False
+
+
+def test_sync_debug_mode_is_stored_like_cuda():
+    try:
+        torch.neuron.set_sync_debug_mode("warn")
+        assert torch.neuron.get_sync_debug_mode() == 1
+        torch.neuron.set_sync_debug_mode(2)
+        assert torch.neuron.get_sync_debug_mode() == 2
+        with pytest.raises(RuntimeError, match="debug_mode"):
+            torch.neuron.set_sync_debug_mode("loud")
+    finally:
+        torch.neuron.set_sync_debug_mode(0)
+
+
+def test_default_generators_are_the_device_generators():
+    gens = torch.neuron.default_generators
+    assert len(gens) == torch.neuron.device_count()
+    assert gens[0] is torch.neuron.default_generator(0)
+    assert gens[0].device == torch.device(DEV, 0)
+    with pytest.raises(IndexError):
+        gens[len(gens)]
+
+
+# --- RNG: random ops draw from the device generator ---------------------------------------
+
+def _dropout_cases():
+    return [
+        ("F.dropout", lambda x: F.dropout(x, 0.3, training=True)),
+        ("native_dropout", lambda x: torch.native_dropout(x, 0.3, True)[0]),
+        ("nn.Dropout", lambda x: torch.nn.Dropout(0.5).train()(x)),
+        ("dropout p=0", lambda x: F.dropout(x, 0.0, training=True)),
+        ("dropout p=1", lambda x: F.dropout(x, 1.0, training=True)),
+        ("bernoulli", lambda x: torch.bernoulli(x.sigmoid())),
+        ("rand_like", lambda x: torch.rand_like(x)),
+    ]
+
+
+@pytest.mark.parametrize("name,fn", _dropout_cases(), ids=[c[0] for c in _dropout_cases()])
+def test_random_op_same_seed_gives_cpu_numbers(name, fn):
+    x = torch.randn(4, 33)
+    torch.manual_seed(7)
+    want = fn(x)
+    torch.manual_seed(7)
+    got = fn(x.to(DEV))
+    assert got.device.type == DEV
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name,fn", _dropout_cases(), ids=[c[0] for c in _dropout_cases()])
+def test_random_op_draws_from_neuron_generator_only(name, fn):
+    x = torch.randn(4, 33, device=DEV)
+    cpu_state = torch.get_rng_state()
+    dev_state = torch.neuron.get_rng_state()
+    fn(x)
+    assert torch.equal(torch.get_rng_state(), cpu_state), f"{name} advanced the CPU generator"
+    if name not in ("dropout p=0", "dropout p=1"):
+        assert not torch.equal(torch.neuron.get_rng_state(), dev_state), \
+            f"{name} did not advance the neuron generator"
+
+
+def test_neuron_manual_seed_reaches_dropout_and_not_cpu():
+    x = torch.ones(256, device=DEV)
+    torch.neuron.manual_seed(3)
+    a = F.dropout(x, 0.5)
+    torch.manual_seed(99)  # reseeds the device too, as on CUDA
+    torch.neuron.manual_seed(3)
+    b = F.dropout(x, 0.5)
+    assert torch.equal(a.cpu(), b.cpu())
+    torch.neuron.manual_seed(4)
+    assert not torch.equal(F.dropout(x, 0.5).cpu(), a.cpu())
+    torch.manual_seed(5)
+    cpu_before = torch.rand(3)
+    torch.manual_seed(5)
+    torch.neuron.manual_seed(6)
+    assert torch.equal(torch.rand(3), cpu_before)  # device seeding left CPU alone
+
+
+def test_dropout_trains_like_cpu():
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.25), torch.nn.Linear(16, 4))
+    dev = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.25), torch.nn.Linear(16, 4))
+    dev.load_state_dict(ref.state_dict())
+    dev.to(DEV)
+    x = torch.randn(5, 8)
+    torch.manual_seed(11)
+    ref(x).square().sum().backward()
+    torch.manual_seed(11)
+    dev(x.to(DEV)).square().sum().backward()
+    for p, q in zip(ref.parameters(), dev.parameters()):
+        torch.testing.assert_close(q.grad.cpu(), p.grad)
+
+
+def test_dropout_eval_and_empty():
+    x = torch.randn(3, 4, device=DEV)
+    out, mask = torch.native_dropout(x, 0.5, False)
+    assert torch.equal(out.cpu(), x.cpu()) and mask.dtype == torch.bool and bool(mask.all())
+    e = torch.empty(0, 4, device=DEV)
+    out, mask = torch.native_dropout(e, 0.5, True)
+    want_out, want_mask = torch.native_dropout(e.cpu(), 0.5, True)
+    assert out.shape == want_out.shape and mask.dtype == want_mask.dtype
