@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 from . import _C  # noqa: F401  (registers allocator, guard, hooks, kernels)
 from . import _state
-from . import _random_ops  # noqa: F401,E402  (native_dropout draws from the neuron generator)
+from . import _python_kernels  # noqa: F401,E402  (dropout RNG, quantize errors)
 
 __version__ = "0.1.0"
 

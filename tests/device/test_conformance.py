@@ -222,3 +222,15 @@ def test_dropout_eval_and_empty():
     out, mask = torch.native_dropout(e, 0.5, True)
     want_out, want_mask = torch.native_dropout(e.cpu(), 0.5, True)
     assert out.shape == want_out.shape and mask.dtype == want_mask.dtype
+
+
+@pytest.mark.parametrize("call", [
+    lambda x: torch.quantize_per_tensor(x, 0.1, 0, torch.quint8),
+    lambda x: torch.quantize_per_tensor_dynamic(x, torch.quint8, False),
+    lambda x: torch.quantize_per_channel(x, torch.ones(4, device=DEV), torch.zeros(4, dtype=torch.long, device=DEV), 0, torch.qint8),
+], ids=["per_tensor", "dynamic", "per_channel"])
+def test_quantize_names_the_op_and_device_stays_usable(call):
+    x = torch.randn(4, 3, device=DEV)
+    with pytest.raises(NotImplementedError, match=r"aten::quantize_per_\w+ is not supported on the neuron device"):
+        call(x)
+    torch.testing.assert_close((x + 1).cpu(), x.cpu() + 1)

@@ -1,4 +1,4 @@
-"""Random ops whose schema has no ``Generator`` argument.
+"""Kernels registered from Python for ops the CPU fallback cannot serve as CUDA does.
 
 The fallback hands a random op the device's generator through the op's ``Generator?``
 argument. ``aten::native_dropout`` has none, so its CPU kernel would draw from the CPU
@@ -29,3 +29,21 @@ def _native_dropout(input: torch.Tensor, p: float, train):
 
 
 _lib.impl("native_dropout", _native_dropout, "PrivateUse1")
+
+
+# Quantized tensors: PyTorch's eager quantization (torch.ao.quantization) is deprecated
+# upstream and has no PrivateUse1 storage, so the CPU fallback fails deep in empty_strided.
+# These name the op and the way forward instead.
+def _no_quantized(op):
+    def kernel(*args, **kwargs):
+        raise NotImplementedError(
+            f"aten::{op} is not supported on the neuron device: eager quantized tensors "
+            "(torch.ao.quantization, deprecated upstream) have no neuron storage. Quantize on "
+            "the CPU, or keep low-precision weights as ordinary neuron tensors "
+            "(float8/int8 dtypes) with explicit scales.")
+    return kernel
+
+
+for _op in ("quantize_per_tensor", "quantize_per_tensor.tensor_qparams",
+            "quantize_per_tensor.tensors", "quantize_per_tensor_dynamic", "quantize_per_channel"):
+    _lib.impl(_op, _no_quantized(_op), "PrivateUse1")
