@@ -234,3 +234,58 @@ def test_quantize_names_the_op_and_device_stays_usable(call):
     with pytest.raises(NotImplementedError, match=r"aten::quantize_per_\w+ is not supported on the neuron device"):
         call(x)
     torch.testing.assert_close((x + 1).cpu(), x.cpu() + 1)
+
+
+# --- RNN modules: off the CPU they call the fused cells CUDA has -------------------------
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+@pytest.mark.parametrize("layers,bidirectional,batch_first,packed", [
+    (1, False, False, False), (2, False, True, False), (2, True, False, False),
+    (1, True, True, True), (2, False, False, True)])
+def test_rnn_trains_like_cpu(kind, layers, bidirectional, batch_first, packed):
+    torch.manual_seed(0)
+    ref = getattr(torch.nn, kind)(5, 7, num_layers=layers, bidirectional=bidirectional,
+                                  batch_first=batch_first)
+    dev = getattr(torch.nn, kind)(5, 7, num_layers=layers, bidirectional=bidirectional,
+                                  batch_first=batch_first)
+    dev.load_state_dict(ref.state_dict())
+    dev.to(DEV)
+    x = torch.randn((3, 4, 5) if batch_first else (4, 3, 5))
+    lengths = torch.tensor([4, 3, 2])
+
+    def run(model, inp):
+        if packed:
+            inp = torch.nn.utils.rnn.pack_padded_sequence(inp, lengths, batch_first=batch_first)
+        out, _ = model(inp)
+        if packed:
+            out = torch.nn.utils.rnn.pad_packed_sequence(out, batch_first=batch_first)[0]
+        return out
+
+    want = run(ref, x)
+    got = run(dev, x.to(DEV))
+    torch.testing.assert_close(got.cpu(), want)
+    want.square().sum().backward()
+    got.square().sum().backward()
+    for (name, p), q in zip(ref.named_parameters(), dev.parameters()):
+        torch.testing.assert_close(q.grad.cpu(), p.grad, msg=name)
+
+
+@pytest.mark.parametrize("cell", ["LSTMCell", "GRUCell"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_rnn_cell_grads_like_cpu(cell, bias):
+    torch.manual_seed(1)
+    ref = getattr(torch.nn, cell)(6, 4, bias=bias)
+    dev = getattr(torch.nn, cell)(6, 4, bias=bias)
+    dev.load_state_dict(ref.state_dict())
+    dev.to(DEV)
+    x = torch.randn(3, 6, requires_grad=True)
+    xd = x.detach().to(DEV).requires_grad_()
+    want, got = ref(x), dev(xd)
+    want = want[0] + 2 * want[1] if cell == "LSTMCell" else want
+    got = got[0] + 2 * got[1] if cell == "LSTMCell" else got
+    torch.testing.assert_close(got.cpu(), want)
+    want.square().sum().backward()
+    got.square().sum().backward()
+    torch.testing.assert_close(xd.grad.cpu(), x.grad)
+    for p, q in zip(ref.parameters(), dev.parameters()):
+        torch.testing.assert_close(q.grad.cpu(), p.grad)
