@@ -136,6 +136,9 @@ class ModelledTime:
 
 
 _totals: dict = {}
+# Profilers (torch_neuronx.profiling) append callables here; each gets one
+# (device, stream, name, engine, seconds) tuple per modelled interval.
+_listeners: list = []
 _lock = threading.Lock()  # compiled graphs and collectives add from other threads
 
 
@@ -212,6 +215,8 @@ def _drain() -> None:
         for record in records:
             seconds = _account(record)
             device, stream, epoch = record[1], record[7], record[8]
+            for listen in _listeners:
+                listen((device, stream, record[0].split("::", 1)[-1], "op", seconds))
             epochs[(device, epoch)][stream] += seconds
         for (device, epoch), busy in sorted(epochs.items()):
             _timeline(device, epoch, busy)
@@ -258,3 +263,5 @@ def _add_time(device: int, name: str, seconds: float, *, engine: str, launches: 
         t.link_bytes += link_bytes
         t.by_op[name] += seconds
         t.by_engine[engine] += seconds
+        for listen in _listeners:
+            listen((device, 0, name, engine, seconds))
