@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.torchneuron-installed
-DEPS := torch==2.13.0 numpy ml_dtypes tqdm pytest pytest-xdist pytest-timeout hypothesis expecttest pyarrow pandas==3.1.1 ninja setuptools wheel transformers
+DEPS := torch==2.13.0 numpy ml_dtypes tqdm pytest pytest-xdist pytest-timeout hypothesis expecttest pyarrow pandas==3.1.1 matplotlib==3.11.2 ninja setuptools wheel transformers
 
 .PHONY: setup build demo test bench clean
 

@@ -12,7 +12,7 @@ from torch_neuronx.profiling import NeuronConfig, NeuronProfiler, export_parquet
 
 
 def _export_100k():
-    dev = [(i % 2, i % 4, ("add", "mm", "relu")[i % 3], "op", 1e-6 * (1 + i % 7)) for i in range(100_000)]
+    dev = [(i % 2, i % 4, ("add", "mm", "relu")[i % 3], "op", 1e-6 * (1 + i % 7), 1) for i in range(100_000)]
     times = []
     for _ in range(3):
         with tempfile.TemporaryDirectory() as d:

@@ -137,7 +137,7 @@ class ModelledTime:
 
 _totals: dict = {}
 # Profilers (torch_neuronx.profiling) append callables here; each gets one
-# (device, stream, name, engine, seconds) tuple per modelled interval.
+# (device, stream, name, engine, seconds, launches) tuple per modelled interval.
 _listeners: list = []
 _lock = threading.Lock()  # compiled graphs and collectives add from other threads
 
@@ -216,7 +216,7 @@ def _drain() -> None:
             seconds = _account(record)
             device, stream, epoch = record[1], record[7], record[8]
             for listen in _listeners:
-                listen((device, stream, record[0].split("::", 1)[-1], "op", seconds))
+                listen((device, stream, record[0].split("::", 1)[-1], "op", seconds, record[4]))
             epochs[(device, epoch)][stream] += seconds
         for (device, epoch), busy in sorted(epochs.items()):
             _timeline(device, epoch, busy)
@@ -264,4 +264,4 @@ def _add_time(device: int, name: str, seconds: float, *, engine: str, launches: 
         t.by_op[name] += seconds
         t.by_engine[engine] += seconds
         for listen in _listeners:
-            listen((device, 0, name, engine, seconds))
+            listen((device, 0, name, engine, seconds, launches))

