@@ -1,4 +1,5 @@
 import hashlib
+import json
 import os
 
 import pyarrow.parquet as pq
@@ -45,7 +46,10 @@ def test_modelled_events_sum_to_cost_model(tmp_path):
     for _, q in hw.groupby(["device", "queue"]):
         ends = (q.start_ns + q.duration_ns).to_numpy()
         assert (q.start_ns.to_numpy()[1:] == ends[:-1]).all()
-    assert os.path.exists(os.path.join(str(tmp_path), "trace_0.json"))
+    with open(os.path.join(str(tmp_path), "trace_0.json")) as f:
+        lanes = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+    assert sorted(e["dur"] for e in lanes) == pytest.approx(sorted(hw.duration_ns / 1e3))
+    assert all(e["args"]["stream"] == e["tid"] for e in lanes)
 
 
 def test_source_line_points_at_user_file(tmp_path):
@@ -72,7 +76,8 @@ def test_capture_enabled_for_nc_filters_devices(tmp_path):
 
 
 def test_parquet_schema_is_stable(tmp_path):
-    path = export_parquet(str(tmp_path / "p"), device_events=[(0, 0, "add", "op", 1e-6, 1)])
+    path = str(tmp_path / "p")
+    export_parquet(path, device_events=[(0, 0, "add", "op", 1e-6, 1)])
     digest = hashlib.sha256(repr([(t, [(c, str(ty)) for c, ty, _ in f]) for t, f in SCHEMA.items()])
                             .encode()).hexdigest()[:16]
     # Changing a column changes the digest: bump PROFILE_SCHEMA_VERSION with it.

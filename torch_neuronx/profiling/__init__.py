@@ -10,6 +10,7 @@ import enum
 import os
 import threading
 
+import pyarrow.compute as pa_compute
 from torch._C._profiler import _ExperimentalConfig
 
 from ._parquet import PROFILE_SCHEMA_VERSION, SCHEMA, export_parquet, events_table  # noqa: F401
@@ -105,10 +106,33 @@ class NeuronProfiler:
         os.makedirs(out, exist_ok=True)
         n = self._count
         self._count += 1
-        prof.export_chrome_trace(os.path.join(out, f"trace_{n}.json"))
         with self._lock:
             device, self._device = self._device, []
         path = os.path.join(out, f"trace_{n}")
-        export_parquet(path, host_events=prof.events(), device_events=device)
+        table = export_parquet(path, host_events=prof.events(), device_events=device)
+        _chrome_with_lanes(prof, table, os.path.join(out, f"trace_{n}.json"))
         return path
+
+
+def _chrome_with_lanes(prof, table, file: str) -> None:
+    """Kineto's chrome trace plus the modelled lanes: one process per device, one thread per
+    queue, ``cat: "kernel"`` with ``args.stream`` as Holistic Trace Analysis reads them."""
+    import json
+    prof.export_chrome_trace(file)
+    with open(file) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"]
+    host_ts = [e["ts"] for e in events if e.get("ph") == "X"]
+    origin = min(host_ts) if host_ts else 0.0
+    hw = table.filter(pa_compute.equal(table["source"], "hardware")).to_pydict()
+    for d, q, name, start, dur in zip(hw["device"], hw["queue"], hw["name"], hw["start_ns"],
+                                      hw["duration_ns"]):
+        events.append({"ph": "X", "cat": "kernel", "name": name, "pid": 1000 + d, "tid": q,
+                       "ts": origin + start / 1e3, "dur": dur / 1e3,
+                       "args": {"stream": q, "device": d, "modelled_ns": dur}})
+    for d in sorted(set(hw["device"])):
+        events.append({"ph": "M", "name": "process_name", "pid": 1000 + d,
+                       "args": {"name": f"neuron:{d} modelled Trainium time"}})
+    with open(file, "w") as f:
+        json.dump(trace, f)
 

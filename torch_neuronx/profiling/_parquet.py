@@ -117,7 +117,8 @@ def events_table(host_events=(), device_events=()) -> pa.Table:
     return _table("SystemProfileEvents", cols)
 
 
-def export_parquet(path: str, host_events=(), device_events=()) -> str:
+def export_parquet(path: str, host_events=(), device_events=()):
+    """Writes the tables into directory ``path``; returns the SystemProfileEvents table."""
     os.makedirs(path, exist_ok=True)
     events = events_table(host_events, device_events)
     n_hw = len(device_events)
@@ -134,4 +135,4 @@ def export_parquet(path: str, host_events=(), device_events=()) -> str:
     }
     for name, table in tables.items():
         pq.write_table(table, os.path.join(path, f"{name}.parquet"))
-    return path
+    return events
