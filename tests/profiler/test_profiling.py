@@ -87,3 +87,16 @@ def test_parquet_schema_is_stable(tmp_path):
     fields = pq.read_table(os.path.join(path, "SchemaFields.parquet")).to_pandas()
     ev = pq.read_table(os.path.join(path, "SystemProfileEvents.parquet"))
     assert list(fields[fields.table == "SystemProfileEvents"].column) == ev.schema.names
+
+
+def test_env_var_route_profiles_unchanged_script(tmp_path):
+    import subprocess
+    import sys
+    script = tmp_path / "train.py"
+    script.write_text("import torch\nimport torch_neuronx\n"
+                      "a = torch.randn(16, 16, device='neuron')\nprint((a @ a).sum().item())\n")
+    env = dict(os.environ, NEURON_RT_INSPECT_ENABLE="1",
+               NEURON_RT_INSPECT_OUTPUT_DIR=str(tmp_path / "out"))
+    subprocess.run([sys.executable, str(script)], env=env, check=True, capture_output=True, timeout=120)
+    ev = pq.read_table(str(tmp_path / "out" / "trace_0" / "SystemProfileEvents.parquet")).to_pandas()
+    assert "mm" in set(ev[ev.source == "hardware"].name)

@@ -136,3 +136,23 @@ def _chrome_with_lanes(prof, table, file: str) -> None:
     with open(file, "w") as f:
         json.dump(trace, f)
 
+
+
+def _start_from_env() -> None:
+    """``NEURON_RT_INSPECT_ENABLE=1``: profile the whole process of an unchanged script and
+    export at exit into ``$NEURON_RT_INSPECT_OUTPUT_DIR`` (default ./neuron_profile).
+    Without stacks: this starts while ``import torch`` runs, and torch 2.13 then fails to
+    decode the names of the python_function events of half-imported modules."""
+    import atexit
+
+    import torch
+    cfg = NeuronConfig()
+    handler = NeuronProfiler(cfg)
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=False,
+                                  experimental_config=cfg, on_trace_ready=handler.export_trace)
+    prof.start()
+
+    def _stop():
+        prof.stop()
+        handler.close()
+    atexit.register(_stop)
