@@ -51,6 +51,7 @@ def test_report_hbm_chain_is_work_bound_and_matches_cost_model(tmp_path, capsys)
     r = report(path)
     assert r["modelled_ns"] == pytest.approx(sum(total.by_op.values()) * 1e9, abs=r["hardware_events"])
     assert {k["name"]: k["bound"] for k in r["top_kernels"]}["exp"] == "work"
+    assert set(r["engines"]) <= {"vector", "scalar", "dma", "tensor"} and "scalar" in r["engines"]
     plots = str(tmp_path / "plots")
     assert cli.main(["explore", path, "--json", "--plots", plots]) == 0
     out = json.loads(capsys.readouterr().out)

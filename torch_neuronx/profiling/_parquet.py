@@ -19,7 +19,7 @@ SCHEMA = {
         ("name", pa.string(), "op or kernel name"),
         ("device", pa.int32(), "neuron device index; -1 for host events"),
         ("queue", pa.int32(), "device queue (stream) of a hardware event; -1 for host events"),
-        ("engine", pa.string(), "engine of a hardware event (op, fused, nki, collective); empty for host"),
+        ("engine", pa.string(), "engine of a hardware event (tensor, vector, scalar, dma, fused, nki, collective); empty for host"),
         ("start_ns", pa.int64(), "start, ns since the trace's first host event"),
         ("duration_ns", pa.int64(), "host execution time of framework events; modelled time of hardware events"),
         ("modelled_ns", pa.int64(), "modelled Trainium time (hardware events); 0 for host events"),
