@@ -100,3 +100,27 @@ def test_env_var_route_profiles_unchanged_script(tmp_path):
     subprocess.run([sys.executable, str(script)], env=env, check=True, capture_output=True, timeout=120)
     ev = pq.read_table(str(tmp_path / "out" / "trace_0" / "SystemProfileEvents.parquet")).to_pandas()
     assert "mm" in set(ev[ev.source == "hardware"].name)
+
+
+def test_compiled_graph_kernels_get_lanes(tmp_path):
+    def f(x):
+        return (x * 2).relu().sum(0)
+    cf = torch.compile(f, backend="neuron")
+    x = torch.randn(64, 64, device="neuron")
+    cf(x)  # compile outside the trace
+    config = NeuronConfig(profile_output_dir=str(tmp_path))
+    handler = NeuronProfiler(config)
+    cost_model.reset_modelled_time()
+    try:
+        with torch.profiler.profile(activities=ACT, experimental_config=config,
+                                    on_trace_ready=handler.export_trace):
+            out = cf(x)
+            torch.neuron.synchronize()
+    finally:
+        handler.close()
+    torch.testing.assert_close(out.cpu(), f(x.cpu()))
+    total = cost_model.modelled_time()
+    ev = pq.read_table(os.path.join(str(tmp_path), "trace_0", "SystemProfileEvents.parquet")).to_pandas()
+    fused = ev[ev.engine == "fused"]
+    assert len(fused) >= 1
+    assert fused.modelled_ns.sum() == pytest.approx(total.by_engine["fused"] * 1e9, abs=len(fused))
