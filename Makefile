@@ -3,9 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.torchneuron-installed
-DEPS := torch==2.13.0 numpy ml_dtypes tqdm pytest pytest-xdist pytest-timeout hypothesis expecttest pyarrow ninja setuptools wheel transformers
+DEPS := torch==2.13.0 numpy ml_dtypes tqdm pytest pytest-xdist pytest-timeout hypothesis expecttest pyarrow pandas==3.1.1 matplotlib==3.11.2 ninja setuptools wheel transformers
 
-.PHONY: setup build demo test bench clean
+.PHONY: setup build demo test test-hta bench clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,11 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q -n 2 --timeout 900 tests
+
+# Holistic Trace Analysis pulls Jupyter, so it gets its own target (and CI step).
+test-hta: setup
+	$(PY) -m pip install -q HolisticTraceAnalysis==0.5.0
+	$(PY) -m pytest -q tests/profiler/hta_check.py
 
 bench: setup
 	for b in bench/bench_*.py; do $(PY) $$b || exit 1; done

@@ -15,6 +15,7 @@ def _autoload() -> None:
     """
 
 
+import os
 import torch  # noqa: E402
 
 from . import _C  # noqa: F401  (registers allocator, guard, hooks, kernels)
@@ -142,3 +143,7 @@ def _quiet_printing() -> None:
 
 
 _quiet_printing()
+
+if os.environ.get("NEURON_RT_INSPECT_ENABLE", "0") not in ("", "0"):
+    from .profiling import _start_from_env
+    _start_from_env()

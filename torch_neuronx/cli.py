@@ -44,8 +44,10 @@ def main(argv=None) -> int:
     demo.add_argument("--device", default="neuron")
     demo.add_argument("--bf16", action="store_true", help="train under bf16 autocast")
     demo.add_argument("--no-compile", action="store_true", help="skip the compiled run")
+    from .profiling import explore
+    explore.add_arguments(sub.add_parser("explore", help="bottleneck report of a profile directory"))
     args = parser.parse_args(argv)
-    return {"ls": _ls, "demo": _demo}[args.cmd](args)
+    return {"ls": _ls, "demo": _demo, "explore": explore.run}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -136,11 +136,15 @@ class ModelledTime:
 
 
 _totals: dict = {}
+# Profilers (torch_neuronx.profiling) append callables here; each gets one
+# (device, stream, name, engine, seconds, launches) tuple per modelled interval.
+_listeners: list = []
 _lock = threading.Lock()  # compiled graphs and collectives add from other threads
 
 
-def _account(record) -> float:
-    """Accounts one record's busy time and returns it (the timeline is the caller's)."""
+def _account(record) -> tuple:
+    """Accounts one record's busy time and returns (seconds, engine); the timeline is the
+    caller's."""
     name, device, dtype_code, sig, count, bytes_in, bytes_out = record[:7]
     cfg = _state.config()
     p, lnc = cfg.profile, cfg.lnc
@@ -175,7 +179,7 @@ def _account(record) -> float:
     t.launches += count
     t.by_op[op] += seconds
     t.by_engine[engine] += seconds
-    return seconds
+    return seconds, engine
 
 
 # Per device: the newest epoch seen and its busy seconds per stream, since later records may
@@ -210,8 +214,10 @@ def _drain() -> None:
     with _lock:
         epochs: dict = defaultdict(lambda: defaultdict(float))
         for record in records:
-            seconds = _account(record)
+            seconds, engine = _account(record)
             device, stream, epoch = record[1], record[7], record[8]
+            for listen in _listeners:
+                listen((device, stream, record[0].split("::", 1)[-1], engine, seconds, record[4]))
             epochs[(device, epoch)][stream] += seconds
         for (device, epoch), busy in sorted(epochs.items()):
             _timeline(device, epoch, busy)
@@ -258,3 +264,5 @@ def _add_time(device: int, name: str, seconds: float, *, engine: str, launches: 
         t.link_bytes += link_bytes
         t.by_op[name] += seconds
         t.by_engine[engine] += seconds
+        for listen in _listeners:
+            listen((device, 0, name, engine, seconds, launches))

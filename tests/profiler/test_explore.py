@@ -1,0 +1,65 @@
+import json
+import os
+
+import pytest
+import torch
+
+import torch_neuronx  # noqa: F401
+from torch_neuronx import cli, cost_model
+from torch_neuronx.profiling import NeuronConfig, NeuronProfiler
+from torch_neuronx.profiling.explore import report
+
+
+def _capture(tmp_path, fn):
+    cfg = NeuronConfig(profile_output_dir=str(tmp_path))
+    handler = NeuronProfiler(cfg)
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                    experimental_config=cfg, on_trace_ready=handler.export_trace):
+            fn()
+            torch.neuron.synchronize()
+    finally:
+        handler.close()
+    return os.path.join(str(tmp_path), "trace_0")
+
+
+def _tiny_loop():
+    x = torch.zeros(8, device="neuron")
+    for _ in range(100):
+        x = x.add(1)
+
+
+def _big_chain():
+    x = torch.randn(1 << 20, device="neuron")
+    (x * 2).exp().sqrt()
+
+
+def test_report_names_launch_bound_loop(tmp_path, capsys):
+    path = _capture(tmp_path, _tiny_loop)
+    r = report(path)
+    assert r["top_kernels"][0]["name"] == "add"
+    assert r["top_kernels"][0]["launches"] == 100
+    assert r["top_kernels"][0]["bound"] == "launch"
+    assert cli.main(["explore", path]) == 0
+    assert "launch-bound" in capsys.readouterr().out
+
+
+def test_report_hbm_chain_is_work_bound_and_matches_cost_model(tmp_path, capsys):
+    cost_model.reset_modelled_time()
+    path = _capture(tmp_path, _big_chain)
+    total = cost_model.modelled_time()
+    r = report(path)
+    assert r["modelled_ns"] == pytest.approx(sum(total.by_op.values()) * 1e9, abs=r["hardware_events"])
+    assert {k["name"]: k["bound"] for k in r["top_kernels"]}["exp"] == "work"
+    assert set(r["engines"]) <= {"vector", "scalar", "dma", "tensor"} and "scalar" in r["engines"]
+    plots = str(tmp_path / "plots")
+    assert cli.main(["explore", path, "--json", "--plots", plots]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["top_kernels"] == r["top_kernels"]
+    for f in out["plots"]:
+        assert os.path.getsize(f) > 1000
+
+
+def test_explore_bad_dir_names_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="SystemProfileEvents"):
+        report(str(tmp_path))

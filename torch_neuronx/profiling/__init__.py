@@ -1,0 +1,158 @@
+"""Neuron Explorer-style profiling: ``NeuronConfig``, ``ProfileMode``, ``NeuronProfiler``
+(AWS's names) over ``torch.profiler``, with a Parquet export of host events and the cost
+model's modelled device intervals.
+
+The Kineto device-lane plugin is not built yet: device events come from the cost model's
+modelled intervals (laid end to end per device queue), not from Kineto."""
+from __future__ import annotations
+
+import enum
+import os
+import threading
+
+import pyarrow.compute as pa_compute
+from torch._C._profiler import _ExperimentalConfig
+
+from ._parquet import PROFILE_SCHEMA_VERSION, SCHEMA, export_parquet, events_table  # noqa: F401
+
+__all__ = ["NeuronConfig", "ProfileMode", "NeuronProfiler", "export_parquet",
+           "PROFILE_SCHEMA_VERSION"]
+
+
+class ProfileMode(enum.Enum):
+    DEVICE = "device"
+    RUNTIME = "runtime"
+    CPU_UTIL = "cpu_util"
+    HOST_MEMORY = "host_memory"
+
+
+def _parse_cores(spec: str | None) -> set | None:
+    """``"0,1,2-5"`` -> {0, 1, 2, 3, 4, 5}; None means every core."""
+    if spec is None or spec == "":
+        return None
+    cores = set()
+    for part in str(spec).split(","):
+        part = part.strip()
+        try:
+            if "-" in part:
+                lo, hi = (int(x) for x in part.split("-", 1))
+                if hi < lo:
+                    raise ValueError
+                cores.update(range(lo, hi + 1))
+            else:
+                cores.add(int(part))
+        except ValueError:
+            raise ValueError(f"capture_enabled_for_nc: bad core range {part!r} in {spec!r} "
+                             f"(expected e.g. \"0,1,2-5\")") from None
+    return cores
+
+
+class NeuronConfig(_ExperimentalConfig):
+    """``experimental_config`` for ``torch.profiler.profile`` on neuron. ``verbose`` is on so
+    ``with_stack=True`` fills the per-event stack (the source line of each op)."""
+
+    def __init__(self, modes=None, profile_output_dir=None, max_events_per_nc=None,
+                 capture_enabled_for_nc=None, **kwargs):
+        kwargs.setdefault("verbose", True)
+        super().__init__(**kwargs)
+        modes = list(modes) if modes is not None else [ProfileMode.DEVICE, ProfileMode.RUNTIME]
+        for m in modes:
+            if not isinstance(m, ProfileMode):
+                raise TypeError(f"NeuronConfig: modes must be ProfileMode members, got {m!r}")
+        self.modes = modes
+        self.profile_output_dir = (profile_output_dir
+                                   or os.environ.get("NEURON_RT_INSPECT_OUTPUT_DIR")
+                                   or "./neuron_profile")
+        if max_events_per_nc is not None and int(max_events_per_nc) <= 0:
+            raise ValueError(f"NeuronConfig: max_events_per_nc must be > 0, got {max_events_per_nc}")
+        self.max_events_per_nc = None if max_events_per_nc is None else int(max_events_per_nc)
+        self.capture_enabled_for_nc = capture_enabled_for_nc
+        self.cores = _parse_cores(capture_enabled_for_nc)
+
+
+class NeuronProfiler:
+    """Collects modelled device intervals while the profiler runs; ``export_trace`` is the
+    ``on_trace_ready`` handler: chrome JSON plus a Parquet directory per trace."""
+
+    def __init__(self, config: NeuronConfig | None = None):
+        from .. import cost_model
+        self.config = config or NeuronConfig()
+        self._cost_model = cost_model
+        self._device: list = []
+        self._lock = threading.Lock()
+        self._count = 0
+        cost_model._drain()  # work queued before profiling is not this trace's
+        cost_model._listeners.append(self._on_interval)
+
+    def _on_interval(self, iv) -> None:
+        cfg = self.config
+        if cfg.cores is not None and iv[0] not in cfg.cores:
+            return
+        with self._lock:
+            if cfg.max_events_per_nc is not None and \
+                    sum(1 for d in self._device if d[0] == iv[0]) >= cfg.max_events_per_nc:
+                return
+            self._device.append(iv)
+
+    def close(self) -> None:
+        if self._on_interval in self._cost_model._listeners:
+            self._cost_model._listeners.remove(self._on_interval)
+
+    def export_trace(self, prof) -> str:
+        """Writes ``<dir>/trace_<n>.json`` and ``<dir>/trace_<n>/*.parquet``; returns the
+        Parquet directory."""
+        self._cost_model._drain()
+        out = self.config.profile_output_dir
+        os.makedirs(out, exist_ok=True)
+        n = self._count
+        self._count += 1
+        with self._lock:
+            device, self._device = self._device, []
+        path = os.path.join(out, f"trace_{n}")
+        table = export_parquet(path, host_events=prof.events(), device_events=device)
+        _chrome_with_lanes(prof, table, os.path.join(out, f"trace_{n}.json"))
+        return path
+
+
+def _chrome_with_lanes(prof, table, file: str) -> None:
+    """Kineto's chrome trace plus the modelled lanes: one process per device, one thread per
+    queue, ``cat: "kernel"`` with ``args.stream`` as Holistic Trace Analysis reads them."""
+    import json
+    prof.export_chrome_trace(file)
+    with open(file) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"]
+    host_ts = [e["ts"] for e in events if e.get("ph") == "X"]
+    origin = min(host_ts) if host_ts else 0.0
+    hw = table.filter(pa_compute.equal(table["source"], "hardware")).to_pydict()
+    for d, q, name, start, dur in zip(hw["device"], hw["queue"], hw["name"], hw["start_ns"],
+                                      hw["duration_ns"]):
+        events.append({"ph": "X", "cat": "kernel", "name": name, "pid": 1000 + d, "tid": q,
+                       "ts": origin + start / 1e3, "dur": dur / 1e3,
+                       "args": {"stream": q, "device": d, "modelled_ns": dur}})
+    for d in sorted(set(hw["device"])):
+        events.append({"ph": "M", "name": "process_name", "pid": 1000 + d,
+                       "args": {"name": f"neuron:{d} modelled Trainium time"}})
+    with open(file, "w") as f:
+        json.dump(trace, f)
+
+
+
+def _start_from_env() -> None:
+    """``NEURON_RT_INSPECT_ENABLE=1``: profile the whole process of an unchanged script and
+    export at exit into ``$NEURON_RT_INSPECT_OUTPUT_DIR`` (default ./neuron_profile).
+    Without stacks: this starts while ``import torch`` runs, and torch 2.13 then fails to
+    decode the names of the python_function events of half-imported modules."""
+    import atexit
+
+    import torch
+    cfg = NeuronConfig()
+    handler = NeuronProfiler(cfg)
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=False,
+                                  experimental_config=cfg, on_trace_ready=handler.export_trace)
+    prof.start()
+
+    def _stop():
+        prof.stop()
+        handler.close()
+    atexit.register(_stop)
