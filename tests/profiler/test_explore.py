@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-import torch_neuronx  # noqa: F401
+import torch_neuronx
 from torch_neuronx import cli, cost_model
 from torch_neuronx.profiling import NeuronConfig, NeuronProfiler
 from torch_neuronx.profiling.explore import report
@@ -45,8 +45,15 @@ def test_report_names_launch_bound_loop(tmp_path, capsys):
 
 
 def test_report_hbm_chain_is_work_bound_and_matches_cost_model(tmp_path, capsys):
-    cost_model.reset_modelled_time()
-    path = _capture(tmp_path, _big_chain)
+    # Adaptive Eager learns a chain it has seen and fuses it on later runs (its kernel is
+    # then "fused_pointwise"): keep the ops apart so the report's kernels are the ops.
+    was = torch_neuronx.is_adaptive_eager_enabled()
+    torch_neuronx.set_adaptive_eager(False)
+    try:
+        cost_model.reset_modelled_time()
+        path = _capture(tmp_path, _big_chain)
+    finally:
+        torch_neuronx.set_adaptive_eager(was)
     total = cost_model.modelled_time()
     r = report(path)
     assert r["modelled_ns"] == pytest.approx(sum(total.by_op.values()) * 1e9, abs=r["hardware_events"])
@@ -63,3 +70,10 @@ def test_report_hbm_chain_is_work_bound_and_matches_cost_model(tmp_path, capsys)
 def test_explore_bad_dir_names_it(tmp_path):
     with pytest.raises(FileNotFoundError, match="SystemProfileEvents"):
         report(str(tmp_path))
+
+
+def test_report_names_fused_kernel_once_the_chain_is_learned(tmp_path):
+    for _ in range(2):  # the first run teaches Adaptive Eager the chain
+        path = _capture(tmp_path, _big_chain)
+    names = {k["name"] for k in report(path)["top_kernels"]}
+    assert "fused_pointwise" in names and "exp" not in names
