@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from neuronhw import get_profile
 
 from .. import errors as E
 from . import rules, torch_io
@@ -15,44 +16,9 @@ from .tensore import drain
 from .timing import Timeline
 
 
-_get_profile = None
-
-
-def _load_hardware():
-    """``torch_neuronx.hardware.get_profile``; if the torch_neuronx package itself cannot be
-    imported (its device runtime is optional for NKI), load just its hardware data package."""
-    import importlib.util
-    import os
-    import sys
-    if "torch_neuronx.hardware" in sys.modules:
-        return sys.modules["torch_neuronx.hardware"].get_profile
-    # Importing torch_neuronx would start the device runtime (and torch); the simulator only
-    # needs the hardware data package, so load that alone.
-    spec = importlib.util.find_spec("torch_neuronx")
-    root = os.path.dirname(spec.origin) if spec and spec.origin else None
-    if root is None:
-        from torch_neuronx.hardware import get_profile
-        return get_profile
-    if True:
-        hw = os.path.join(root, "hardware")
-        s = importlib.util.spec_from_file_location("_nki_hardware", os.path.join(hw, "__init__.py"),
-                                                   submodule_search_locations=[hw])
-        mod = importlib.util.module_from_spec(s)
-        sys.modules["_nki_hardware"] = mod
-        s.loader.exec_module(mod)
-        return mod.get_profile
-
-
-def _profile(target):
-    global _get_profile
-    if _get_profile is None:
-        _get_profile = _load_hardware()
-    return _get_profile(target)
-
-
 class Sim:
     def __init__(self, target=None, timing=False):
-        self.profile = p = _profile(target)
+        self.profile = p = get_profile(target)
         self.target = p.name
         self.pmax = p.partitions
         self.sbuf = Allocator("sbuf", p.sbuf_partition_bytes)

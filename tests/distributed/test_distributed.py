@@ -167,7 +167,7 @@ def test_torchrun_binds_local_rank_and_picks_neuron(tmp_path):
 
 def test_collectives_model_formulas():
     from torch_neuronx.distributed.collectives_model import bus_bandwidth, collective_seconds
-    from torch_neuronx.hardware.trn2 import TRN2
+    from neuronhw.trn2 import TRN2
     lnc = 2
     s = 64 << 20
     t2 = collective_seconds("all_reduce", s, 2, 1, TRN2, lnc)

@@ -110,7 +110,7 @@ def test_result_fields_and_trace(tmp_path):
 
 
 def test_dependent_chain_pays_semaphore_latency():
-    from nki.simulator.context import _profile as get_profile
+    from neuronhw import get_profile
 
     @nki.jit
     def k(a):

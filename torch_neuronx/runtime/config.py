@@ -12,7 +12,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from ..hardware import ChipProfile, get_profile
+from neuronhw import ChipProfile, get_profile
 
 _MAX_CHIPS = 16  # a trn2.48xlarge / trn3 UltraServer node holds 16 chips
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
