@@ -6,36 +6,29 @@ built from ``nki.isa`` instructions, so they obey the same rules and get timed t
 from __future__ import annotations
 
 import builtins
+import sys
 
 import numpy as np
 
 from . import _ops
 from . import errors as E
 from . import isa as _isa
+from .isa import _common as _isa_common
 from .simulator import context as _ctx
 from .simulator import rules as _rules
+from .simulator import tensor as _tensor
 from .simulator.dtypes import (  # noqa: F401  (public dtypes)
     DType, as_dtype, bfloat16, bool_, float4_e2m1fn, float8_e4m3, float8_e4m3fn, float8_e5m2,
     float16, float32, int8, int16, int32, int64, tfloat32, uint8, uint16, uint32, uint64)
+from .simulator.indexing import _Arange, _DynSlice
+from .simulator.spaces import BUFFERS, Buffer
 from .simulator.tensor import NkiTensor
 
 tensor = NkiTensor
 
 
-class _Buffer:
-    def __init__(self, name, kind):
-        self.name, self.kind = name, kind
-
-    def __repr__(self):
-        return f"nki.language.{self.name}"
-
-
-sbuf = _Buffer("sbuf", "sbuf")
-psum = _Buffer("psum", "psum")
-hbm = _Buffer("hbm", "hbm")
-shared_hbm = _Buffer("shared_hbm", "shared_hbm")
-private_hbm = _Buffer("private_hbm", "private_hbm")
-_BUFFERS = {"sbuf": sbuf, "psum": psum, "hbm": hbm}
+sbuf, psum, hbm = BUFFERS["sbuf"], BUFFERS["psum"], BUFFERS["hbm"]
+shared_hbm, private_hbm = BUFFERS["shared_hbm"], BUFFERS["private_hbm"]
 
 
 class tile_size:
@@ -52,7 +45,7 @@ class tile_size:
 def _kind(buffer):
     if buffer is None:
         return "sbuf"
-    if isinstance(buffer, _Buffer):
+    if isinstance(buffer, Buffer):
         return buffer.kind
     if isinstance(buffer, str) and buffer in ("sbuf", "psum", "hbm", "shared_hbm", "private_hbm"):
         return buffer
@@ -68,7 +61,7 @@ def ndarray(shape, dtype, buffer=None, name=None, **kwargs):
 
 
 def empty_like(a, dtype=None, buffer=None, name=None, **kwargs):
-    return ndarray(a.shape, dtype or a.dtype, buffer if buffer is not None else _BUFFERS[a.kind], name)
+    return ndarray(a.shape, dtype or a.dtype, buffer if buffer is not None else BUFFERS[a.kind], name)
 
 
 def full(shape, fill_value, dtype, buffer=None, name=None, **kwargs):
@@ -89,57 +82,17 @@ def ones(shape, dtype, buffer=None, name=None, **kwargs):
 
 
 def zeros_like(a, dtype=None, buffer=None, name=None, **kwargs):
-    return zeros(a.shape, dtype or a.dtype, buffer if buffer is not None else _BUFFERS[a.kind], name)
+    return zeros(a.shape, dtype or a.dtype, buffer if buffer is not None else BUFFERS[a.kind], name)
 
 
 def ones_like(a, dtype=None, buffer=None, name=None, **kwargs):
-    return ones(a.shape, dtype or a.dtype, buffer if buffer is not None else _BUFFERS[a.kind], name)
+    return ones(a.shape, dtype or a.dtype, buffer if buffer is not None else BUFFERS[a.kind], name)
 
 
 # ----------------------------------------------------------------------------- indexing
-class _DynSlice:
-    __slots__ = ("start", "size")
-
-    def __init__(self, start, size):
-        self.start, self.size = int(start), int(size)
-
-
 def ds(start, size):
     """A slice of ``size`` elements starting at ``start``."""
     return _DynSlice(start, size)
-
-
-class _Arange:
-    """An affine index (start + step * i) usable to index one tensor axis."""
-
-    __slots__ = ("start", "stop", "step")
-
-    def __init__(self, start, stop, step=1):
-        self.start, self.stop, self.step = int(start), int(stop), int(step)
-
-    def as_slice(self):
-        return slice(self.start, self.stop, self.step if self.step != 1 else None)
-
-    def __getitem__(self, idx):           # nl.arange(n)[:, None] keeps the same index
-        return self
-
-    def __add__(self, k):
-        return _Arange(self.start + int(k), self.stop + int(k), self.step)
-
-    __radd__ = __add__
-
-    def __sub__(self, k):
-        return self + (-int(k))
-
-    def __mul__(self, k):
-        k = int(k)
-        return _Arange(self.start * k, self.start * k + (self.stop - self.start) * k, self.step * k)
-
-    __rmul__ = __mul__
-
-    @property
-    def shape(self):
-        return (len(range(self.start, self.stop, self.step)),)
 
 
 def arange(start, stop=None, step=1):
@@ -388,7 +341,7 @@ def matmul(x, y, transpose_x=False, **kwargs):
 def softmax(x, axis=-1, dtype=None, compute_dtype=None, **kwargs):
     """exp(x - max) / sum over the last free axis: VectorE max, ScalarE exp+sum, VectorE scale."""
     P = x.shape[0]
-    _isa._axes(axis, x.ndim, "softmax")
+    _isa_common._axes(axis, x.ndim, "softmax")
     mx = ndarray((P, 1), float32, sbuf)
     _isa.tensor_reduce(mx, maximum, x, tuple(range(1, x.ndim)) if x.ndim > 2 else 1, negate=True)
     e = ndarray(x.shape, float32, sbuf)
@@ -427,3 +380,7 @@ def __getattr__(name):
     if name in _MISSING:
         raise E.UnsupportedError(f"nki.language.{name} is not implemented in this NKI simulator")
     raise AttributeError(f"module 'nki.language' has no attribute {name!r}")
+
+
+# Tiles combine through this module (a + b is nl.add(a, b)); it sits above the tensor class.
+_tensor.set_language(sys.modules[__name__])

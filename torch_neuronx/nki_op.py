@@ -30,7 +30,7 @@ import typing
 
 import torch
 
-from nki.simulator.torch_io import np_dtype, torch_dtype_of
+from .nki_bridge import np_dtype, torch_dtype_of
 
 __all__ = ["nki_op"]
 

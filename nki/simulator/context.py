@@ -8,7 +8,7 @@ import numpy as np
 from neuronhw import get_profile
 
 from .. import errors as E
-from . import rules, torch_io
+from . import rules
 from .dtypes import DType
 from .memory import Allocator
 from .tensor import Buffer, NkiTensor, new_id, take_spare
@@ -34,7 +34,9 @@ class Sim:
         self.shared_i = 0
         self.scalar_regs = None         # ScalarE reduce registers (activation accumulate)
         self.vector_regs = None
-        self.torch_device = None        # neuron device of a torch call: outputs live there
+        self.bridge = None              # framework of the call's tensors (nki.frameworks)
+        self.device = None              # their device
+        self.device_outputs = False     # HBM outputs are allocated as tensors on that device
         self.in_run = False             # set by runner.run, which drains queued GEMMs
 
     # -- allocation ----------------------------------------------------------------
@@ -46,17 +48,17 @@ class Sim:
                 buf = self.shared[self.shared_i]
                 self.shared_i += 1
                 return NkiTensor(buf, buf.data)
-        if self.torch_device is not None and kind in ("shared_hbm", "hbm"):
-            dev = torch_io.device_hbm(shape, dtype, self.torch_device)
-            if dev is not None:
-                # An output in device memory: the kernel writes the neuron tensor directly.
-                _fill(dev[1], dtype, fill)
-                buf = Buffer("hbm", dtype, dev[1], name)
-                buf.torch = dev[0]
-                if self.grid:
-                    self.shared.append(buf)
-                    self.shared_i += 1
-                return NkiTensor(buf, dev[1])
+        if self.device_outputs and kind in ("shared_hbm", "hbm") and dtype.storage == np.dtype(dtype.real):
+            # An output in device memory: the kernel writes the device tensor directly.
+            t = self.bridge.empty(shape, dtype.storage, self.device)
+            view = self.bridge.host_view(t)
+            _fill(view, dtype, fill)
+            buf = Buffer("hbm", dtype, view, name)
+            buf.framework_tensor = t
+            if self.grid:
+                self.shared.append(buf)
+                self.shared_i += 1
+            return NkiTensor(buf, view)
         store = take_spare(shape, dtype.storage)
         if store is None:
             store = np.empty(shape, dtype=dtype.storage)

@@ -1,37 +1,47 @@
 """Running a kernel: ``nki.jit``, ``nki.simulate``, ``nki.benchmark`` and ``nki.profile``.
 
-Arguments may be NumPy arrays or torch tensors (CPU, or on the ``neuron`` device, read and
-written in place through zero-copy host views; see ``torch_io``). Inputs become HBM tensors;
-float32 (and integer) data is used in place, other dtypes are converted and written back if
-the kernel writes them. On the neuron device the kernel's modelled latency is added to the
-device's modelled time (``torch_neuronx.modelled_time``).
+Arguments may be NumPy arrays or tensors of a framework that registered a bridge with
+``nki.frameworks`` (torch tensors on CPU or the ``neuron`` device, read and written in place
+through zero-copy host views). Inputs become HBM tensors; float32 (and integer) data is used
+in place, other dtypes are converted and written back if the kernel writes them. On an
+accelerator device the kernel's modelled latency is charged to that device through its bridge.
 """
 from __future__ import annotations
 
 import functools
 import itertools
-import sys
 import time
 
 import numpy as np
 
 from .. import errors as E
-from . import context, tensore, torch_io, trace
+from .. import frameworks
+from . import context, tensore, trace
 from .dtypes import as_dtype
 from .tensor import Buffer, NkiTensor, new_id
 
 
-def _wrap_input(x, sim, name):
-    if torch_io.is_torch(x):
-        store, origin = torch_io.wrap(x)
-        d = as_dtype(origin.host.dtype)
+class _Origin:
+    """Where an input's data lives (a caller's array, or a framework tensor's host view), so
+    the kernel's writes reach it when the simulator worked on a converted copy."""
+
+    __slots__ = ("host", "tensor", "bridge", "in_place")
+
+    def __init__(self, host, tensor=None, bridge=None, in_place=False):
+        self.host, self.tensor, self.bridge, self.in_place = host, tensor, bridge, in_place
+
+
+def _wrap_input(x, name, bridge=None):
+    host = bridge.host_view(x) if bridge is not None else x
+    d = as_dtype(host.dtype)
+    if host.dtype == d.storage and host.flags.c_contiguous and host.flags.writeable:
+        store = host                       # used in place: writes land in the caller's memory
     else:
-        d = as_dtype(x.dtype)
-        if x.dtype == d.storage and x.flags.c_contiguous and x.flags.writeable:
-            store, origin = x, None        # used in place: writes land in the caller's array
-        else:
-            store = d.round(x.astype(np.float32)) if d.is_float else np.ascontiguousarray(x, d.storage)
-            store, origin = np.array(store, dtype=d.storage, copy=True), x
+        store = d.round(host.astype(np.float32)) if d.is_float else np.ascontiguousarray(host, d.storage)
+        store = np.array(store, dtype=d.storage, copy=True)
+    origin = _Origin(host, x if bridge is not None else None, bridge, store is host)
+    if bridge is None and origin.in_place:
+        origin = None
     return NkiTensor(Buffer("hbm", d, store, name, origin=origin), store)
 
 
@@ -39,29 +49,29 @@ def _write_back(t: NkiTensor):
     origin = t.buf.origin
     if origin is None or not t.buf.written:
         return
-    if isinstance(origin, torch_io.Origin):
-        torch_io.write_back(origin, t.dtype, t.buf.data)
-    else:
-        origin[...] = t.dtype.to_real(t.buf.data).astype(origin.dtype)
+    if not origin.in_place:
+        origin.host[...] = t.dtype.to_real(t.buf.data).astype(origin.host.dtype, copy=False)
+    if origin.bridge is not None:
+        origin.bridge.mark_written(origin.tensor)
 
 
-def _outputs(res, device, func=None):
-    """Kernel results: NumPy arrays of the real dtype, or torch tensors on ``device``."""
+def _outputs(res, sim, func=None):
+    """Kernel results: NumPy arrays of the real dtype, or the bridge's tensors on its device."""
     if isinstance(res, NkiTensor):
         if res.kind != "hbm":
             code = getattr(func, "__code__", None)
             raise E.OutputBufferError(
                 f"kernel output {res.name!r} lives in {res.kind.upper()}; outputs must be "
                 f"allocated in nl.shared_hbm", code and code.co_filename, code and code.co_firstlineno)
-        own = res.buf.torch
+        own = res.buf.framework_tensor
         if own is not None and res.v.shape == res.buf.data.shape:
             return own                          # the kernel wrote the device tensor directly
         a = res.dtype.to_real(res.v)
-        return torch_io.to_torch(a, device) if device is not None else a
+        return sim.bridge.from_numpy(a, sim.device) if sim.bridge is not None else a
     if isinstance(res, (tuple, list)):
-        return type(res)(_outputs(r, device, func) for r in res)
+        return type(res)(_outputs(r, sim, func) for r in res)
     if isinstance(res, dict):
-        return {k: _outputs(v, device, func) for k, v in res.items()}
+        return {k: _outputs(v, sim, func) for k, v in res.items()}
     return res
 
 
@@ -71,25 +81,31 @@ def _latency_ns(sim):
 
 def run(func, args, kwargs, grid=(), target=None, timing=False, readonly_inputs=False):
     """Execute func once per grid position; returns (outputs, sim). ``readonly_inputs``: a
-    write to an input is an error (the caller promised PyTorch the kernel is functional)."""
-    tensors = [a for a in list(args) + list(kwargs.values()) if torch_io.is_torch(a)]
-    device = tensors[0].device if tensors else None
-    if any(t.device != device for t in tensors):
-        raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two "
-                           f"devices, {device} and {next(t.device for t in tensors if t.device != device)}! "
-                           f"(NKI kernel {getattr(func, '__name__', func)!r})")
-    on_device = device is not None and device.type == "neuron"
-    # On the neuron device the modelled latency is the kernel's cost on the chip, so the
+    write to an input is an error (the caller promised the framework the kernel is functional)."""
+    values = list(args) + list(kwargs.values())
+    owned = [(v, frameworks.bridge_for(v)) for v in values if not isinstance(v, (np.ndarray, NkiTensor))]
+    owned = [(v, b) for v, b in owned if b is not None]
+    bridge = owned[0][1] if owned else None
+    device = bridge.device(owned[0][0]) if owned else None
+    for v, b in owned:
+        if b is not bridge or b.device(v) != device:
+            raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two "
+                               f"devices, {device} and {b.device(v)}! "
+                               f"(NKI kernel {getattr(func, '__name__', func)!r})")
+    bridged = {id(v): b for v, b in owned}
+    on_device = bridge is not None and bridge.on_accelerator(device)
+    # On an accelerator the modelled latency is the kernel's cost on the chip, so the
     # timing model always runs there.
     sim = context.Sim(target, timing or on_device)
     sim.in_run = True
+    sim.bridge, sim.device = bridge, device
     if on_device:
-        sim.torch_device = device
+        sim.device_outputs = True
     prev = context.set_current(sim)
     try:
         def conv(a, i):
-            if isinstance(a, np.ndarray) or torch_io.is_torch(a):
-                return _wrap_input(a, sim, f"in{i}_{new_id()}")
+            if isinstance(a, np.ndarray) or id(a) in bridged:
+                return _wrap_input(a, f"in{i}_{new_id()}", bridged.get(id(a)))
             return a
         wargs = [conv(a, i) for i, a in enumerate(args)]
         wkw = {k: conv(v, k) for k, v in kwargs.items()}
@@ -115,11 +131,9 @@ def run(func, args, kwargs, grid=(), target=None, timing=False, readonly_inputs=
                         f"{a.name!r} inside torch.compile; declare the mutation with "
                         f"torch_neuronx.nki_op(name, kernel, mutates_args=...)")
                 _write_back(a)
-        out = _outputs(result, device, func)
+        out = _outputs(result, sim, func)
         if on_device:
-            from torch_neuronx import cost_model
-            cost_model._add_time(device, f"nki:{getattr(func, '__name__', 'kernel')}",
-                                 _latency_ns(sim) * 1e-9, engine="nki")
+            bridge.kernel_ran(device, getattr(func, "__name__", "kernel"), _latency_ns(sim))
         return out, sim
     finally:
         context.set_current(prev)
@@ -171,11 +185,6 @@ def func_key(func) -> str:
     return f"{func.__module__}.{func.__qualname__}#{id(func)}"
 
 
-def _torch_compiling() -> bool:
-    t = sys.modules.get("torch")
-    return t is not None and t.compiler.is_compiling()
-
-
 class Kernel:
     """A kernel made by ``nki.jit``: call it (simulated), index it with a grid."""
 
@@ -185,18 +194,16 @@ class Kernel:
         self._nki_key = key = func_key(func)       # computed here: a compile trace reads it
         if key not in KERNEL_FUNCS:
             KERNEL_FUNCS[key] = func
-            if "torch" in sys.modules:
-                # Register the nki_jit::call op now: a torch.compile trace must not import it.
-                from . import torch_op  # noqa: F401
+            frameworks.load_imported()
 
     def __getitem__(self, grid):
         g = tuple(grid) if isinstance(grid, (tuple, list)) else (int(grid),)
         return Kernel(self.func, g, self.target, **self.options)
 
     def __call__(self, *args, **kwargs):
-        if _torch_compiling():
-            from . import torch_op
-            return torch_op.call(self, args, kwargs)
+        tracer = frameworks.tracing()
+        if tracer is not None:
+            return tracer.call_compiled(self, args, kwargs)
         out, _ = run(self.func, args, kwargs, self.grid, self.target)
         return out
 

@@ -12,6 +12,17 @@ import numpy as np
 
 from .. import errors as E
 from . import rules
+from .indexing import _Arange, _DynSlice
+from .spaces import BUFFERS
+
+# nki.language, which gives tiles their arithmetic (a + b is nl.add(a, b)) and assignment;
+# it sits above this module and registers itself with set_language.
+_language = None
+
+
+def set_language(module) -> None:
+    global _language
+    _language = module
 
 _ids = itertools.count()
 
@@ -43,7 +54,7 @@ def _give_spare(a):
 
 class Buffer:
     __slots__ = ("kind", "dtype", "data", "name", "addr", "alloc", "ptr", "sitem",
-                 "written", "groups", "origin", "recycle", "torch", "__weakref__")
+                 "written", "groups", "origin", "recycle", "framework_tensor", "__weakref__")
 
     def __init__(self, kind, dtype, data, name, addr=0, alloc=None, origin=None):
         self.kind, self.dtype, self.data, self.name = kind, dtype, data, name
@@ -53,7 +64,7 @@ class Buffer:
         self.written = False
         self.groups = None           # PSUM: boxes of open matmul accumulation groups
         self.recycle = False         # storage the simulator allocated (never a caller's array)
-        self.torch = None            # the neuron tensor whose memory ``data`` views, if any
+        self.framework_tensor = None  # the device tensor whose memory ``data`` views, if any
 
     def __del__(self):
         if self.alloc is not None:
@@ -100,8 +111,7 @@ class NkiTensor:
 
     @property
     def buffer(self):
-        from ..language import _BUFFERS
-        return _BUFFERS[self.buf.kind]
+        return BUFFERS[self.buf.kind]
 
     @property
     def kind(self) -> str:
@@ -138,8 +148,7 @@ class NkiTensor:
         return NkiTensor(self.buf, self.v[_norm_index(idx, self.shape, self.kind != "hbm")])
 
     def __setitem__(self, idx, value):
-        from .. import language as nl
-        nl._assign(self[idx], value)
+        _language._assign(self[idx], value)
 
     def reshape(self, *shape):
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
@@ -179,8 +188,8 @@ class NkiTensor:
 
     # -- arithmetic sugar: tiles combine through nki.language ---------------------------
     def _bin(self, other, op, rev=False):
-        from .. import language as nl
-        return getattr(nl, op)(other, self) if rev else getattr(nl, op)(self, other)
+        f = getattr(_language, op)
+        return f(other, self) if rev else f(self, other)
 
     def __add__(self, o): return self._bin(o, "add")
     def __radd__(self, o): return self._bin(o, "add", True)
@@ -191,12 +200,10 @@ class NkiTensor:
     def __truediv__(self, o): return self._bin(o, "divide")
     def __rtruediv__(self, o): return self._bin(o, "divide", True)
     def __neg__(self):
-        from .. import language as nl
-        return nl.negative(self)
+        return _language.negative(self)
 
 
 def _norm_index(idx, shape, keep_partition):
-    from ..language import _Arange, _DynSlice
     if not isinstance(idx, tuple):
         idx = (idx,)
     out, dim = [], 0

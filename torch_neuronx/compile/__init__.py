@@ -26,7 +26,7 @@ __all__ = ["neuron_backend", "compile_aten_graph", "modelled_graph_time",
 _LAZY = {
     "neuron_backend": (".backend", "neuron_backend"),
     "get_backend": (".backend", "get_backend"),
-    "compile_aten_graph": (".codegen", "compile_aten_graph"),
+    "compile_aten_graph": (".backend", "compile_aten_graph"),
     "modelled_graph_time": (".cost", "modelled_graph_time"),
     "reset_modelled_graph_time": (".cost", "reset_modelled_graph_time"),
     "GraphTime": (".cost", "GraphTime"),

@@ -17,6 +17,20 @@ Options (``torch.compile(..., options={...})``): ``fallback_execution`` (bool; o
 ``TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION``), and any Inductor config key.
 ``mode`` other than ``"default"`` warns and compiles with the default mode, as AWS's
 backend does.
+
+``compile_aten_graph(gm, example_inputs)`` is the entry point for code that holds an FX
+graph of ATen ops and does not go through Dynamo:
+
+    >>> fn = compile_aten_graph(gm, [a, b])   # gm: torch.fx.GraphModule of ATen ops
+    >>> outs = fn(a, b)                         # neuron tensors in, list of neuron tensors out
+
+It takes an FX ``GraphModule`` whose nodes call ATen ops (``torch.ops.aten.*``; a graph of
+``torch.*`` functions works as well), the example inputs (neuron tensors, or SymInts/ints),
+and returns a callable taking the same positional inputs and returning the graph's outputs
+as a list. It does not run Dynamo; it runs AOTAutograd's functionalisation (so in-place ops
+are allowed), the Neuron decompositions and passes, and Inductor lowering with this code
+generator. Results go through Inductor's FX graph cache, so an identical graph is compiled
+once per cache directory.
 """
 from __future__ import annotations
 
@@ -90,6 +104,23 @@ def neuron_backend(gm: torch.fx.GraphModule, example_inputs, *, mode=None, optio
         warnings.warn(f"{err}; running this graph eagerly (fallback execution is enabled)",
                       stacklevel=2)
         return gm.forward
+
+
+def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs, *, decompositions=None):
+    """Compile ``gm`` (an FX graph of ATen ops) for neuron; see the module docstring.
+
+    Returns a callable ``fn(*inputs) -> list[Tensor]``. ``example_inputs`` must match what
+    the callable will receive (dtypes, devices, ranks; sizes are specialised unless they are
+    SymInts).
+    """
+    compiled = _compile_graph(gm, list(example_inputs), decompositions=decompositions)
+
+    def run(*inputs):
+        out = compiled(*inputs)
+        return list(out) if isinstance(out, (tuple, list)) else [out]
+
+    run.__name__ = f"neuron_compiled_{getattr(gm, '_get_name', lambda: 'graph')()}"
+    return run
 
 
 def get_backend():

@@ -12,19 +12,6 @@ the ``neuron`` device:
   buffers), and which tells the cost model each time the compiled graph runs;
 - ``register()``: makes Inductor use both for ``neuron`` (idempotent).
 
-``compile_aten_graph(gm, example_inputs)`` is the entry point for code that is not Dynamo,
-e.g. Adaptive Eager Execution fusing a queued sequence of eager ops:
-
-    >>> fn = compile_aten_graph(gm, [a, b])   # gm: torch.fx.GraphModule of ATen ops
-    >>> outs = fn(a, b)                         # neuron tensors in, list of neuron tensors out
-
-It takes an FX ``GraphModule`` whose nodes call ATen ops (``torch.ops.aten.*``; a graph of
-``torch.*`` functions works as well), the example inputs (neuron tensors, or SymInts/ints),
-and returns a callable taking the same positional inputs and returning the graph's outputs
-as a list. It does not run Dynamo; it runs AOTAutograd's functionalisation (so in-place ops
-are allowed), the Neuron decompositions and passes, and Inductor lowering with this code
-generator. Results go through Inductor's FX graph cache, so an identical graph is compiled
-once per cache directory.
 """
 from __future__ import annotations
 
@@ -207,22 +194,3 @@ def register() -> None:
     """Register the neuron device with Dynamo and Inductor (idempotent)."""
     register_dynamo()
     register_inductor()
-
-
-def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs, *, decompositions=None):
-    """Compile ``gm`` (an FX graph of ATen ops) for neuron; see the module docstring.
-
-    Returns a callable ``fn(*inputs) -> list[Tensor]``. ``example_inputs`` must match what
-    the callable will receive (dtypes, devices, ranks; sizes are specialised unless they are
-    SymInts).
-    """
-    from .backend import _compile_graph
-
-    compiled = _compile_graph(gm, list(example_inputs), decompositions=decompositions)
-
-    def run(*inputs):
-        out = compiled(*inputs)
-        return list(out) if isinstance(out, (tuple, list)) else [out]
-
-    run.__name__ = f"neuron_compiled_{getattr(gm, '_get_name', lambda: 'graph')()}"
-    return run

@@ -15,8 +15,9 @@ import ast
 
 import torch
 
-from .runner import KERNEL_FUNCS
-from .torch_io import np_dtype, torch_dtype_of
+from nki.simulator.runner import KERNEL_FUNCS, run
+
+from . import np_dtype, torch_dtype_of
 
 
 _LITERALS = (int, float, bool, str, type(None))
@@ -39,7 +40,6 @@ def _rebuild(template: str, tensors):
 
 
 def _run(kernel_key: str, template: str, tensors: list) -> list:
-    from .runner import run
     func = KERNEL_FUNCS[kernel_key]
     (grid, target), (args, kwargs) = _rebuild(template, tensors)
     out, _ = run(func, args, kwargs, grid, target, readonly_inputs=True)

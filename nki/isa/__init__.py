@@ -1,0 +1,70 @@
+"""``nki.isa``: one function per NeuronCore instruction, destination first (NKI 0.7).
+
+Each instruction checks the rules AWS documents for it, computes its result as a vectorized
+numpy operation on whole tiles (float32 math, then rounding to the destination dtype), and
+reports its engine and cost to the simulator. Costs are AWS's published formulas in engine
+cycles; clocks and fixed latencies come from the hardware profile. One module per engine.
+"""
+from __future__ import annotations
+
+from .. import errors as E
+from ..simulator import context as _ctx
+from ._dma import dma_copy, dma_transpose  # noqa: F401
+from ._gpsimd import (  # noqa: F401
+    affine_select,
+    dropout,
+    iota,
+    local_gather,
+    range_select,
+    rng,
+    select_reduce,
+    set_rng_seed,
+)
+from ._registers import VirtualRegister, register_alloc, register_load, register_move, register_store  # noqa: F401
+from ._scalar_engine import activation, activation_reduce  # noqa: F401
+from ._statistics import bn_aggr, bn_stats, max8, nc_find_index8, nc_match_replace8  # noqa: F401
+from ._tensor_engine import nc_matmul, nc_transpose  # noqa: F401
+from ._vector_engine import (  # noqa: F401
+    exponential,
+    memset,
+    reciprocal,
+    scalar_tensor_tensor,
+    tensor_copy,
+    tensor_copy_predicated,
+    tensor_partition_reduce,
+    tensor_reduce,
+    tensor_scalar,
+    tensor_scalar_reduce,
+    tensor_tensor,
+    tensor_tensor_scan,
+)
+from .constants import (  # noqa: F401
+    dge_mode,
+    dma_engine,
+    engine,
+    gpsimd_engine,
+    matmul_perf_mode,
+    nc_version,
+    oob_mode,
+    reduce_cmd,
+    scalar_engine,
+    tensor_engine,
+    unknown_engine,
+    vector_engine,
+)
+
+
+def get_nc_version():
+    return nc_version[_ctx.current().profile.nki_target]
+
+
+_MISSING = {"nc_matmul_mx", "quantize_mx", "sequence_bounds", "nc_n_gather",
+            "dma_compute", "nc_stream_shuffle", "core_barrier", "sendrecv", "rand2",
+            "rand_set_state", "rand_get_state", "nonzero_with_count", "tensor_scalar_cumulative",
+            "activate2", "tensor_copy_dynamic_src", "tensor_copy_dynamic_dst"}
+
+
+def __getattr__(name):
+    if name in _MISSING:
+        raise E.UnsupportedError(f"nki.isa.{name} is not implemented in this NKI simulator")
+    raise AttributeError(f"module 'nki.isa' has no attribute {name!r}")
