@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.torchneuron-installed
 DEPS := torch==2.13.0 numpy ml_dtypes tqdm pytest pytest-xdist pytest-timeout hypothesis expecttest pyarrow pandas==3.1.1 matplotlib==3.11.2 ninja setuptools wheel transformers
 
-.PHONY: setup build demo test test-hta bench clean
+.PHONY: setup build demo test test-hta bench architecture clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,10 @@ test: setup
 test-hta: setup
 	$(PY) -m pip install -q HolisticTraceAnalysis==0.5.0
 	$(PY) -m pytest -q tests/profiler/hta_check.py
+
+# Redraw docs/architecture.md's dependency diagram from the code.
+architecture: setup
+	$(PY) tests/house/architecture.py --write
 
 bench: setup
 	for b in bench/bench_*.py; do $(PY) $$b || exit 1; done

@@ -522,7 +522,7 @@ def scenario_shm_ring():
     from torch_neuronx.distributed import shm_agreement as shm
     init(timeout=20)
     g = dist.new_group()
-    slots = g._slots
+    slots = g._agreement.slots
     assert slots is not None
     rng = random.Random(RANK)
     for seq in range(1, 3001):
@@ -546,7 +546,7 @@ def scenario_shm_ring():
     if RANK == 0:
         assert time.monotonic() - t0 > 0.2, "took the torn entry"
     dist.destroy_process_group()
-    assert g._slots is None
+    assert g._agreement.slots is None
     print("ring ok", RANK)
 
 

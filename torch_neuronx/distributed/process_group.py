@@ -16,17 +16,12 @@ collective's outputs are complete when its work's ``wait()`` (or its future) ret
 ``wait()`` orders later device work after it. This is what a CUDA collective gives after
 ``work.wait()`` makes the current stream wait on the communication stream.
 
-Safety: unless ``TORCH_NEURONX_DIST_CHECK=0``, every collective first agrees with its peers on
-a fingerprint of (op, dtype, shape, root, reduce op), so ranks that disagree get the same
-clear error, naming each rank's call, instead of a hang or gloo's size assertion (which can
-kill a rank). The agreement runs through shared memory when every rank of the group is on
-this host (``shm_agreement``), else (or with ``TORCH_NEURONX_DIST_CHECK=gloo``) as a 16-byte
-gloo all-reduce. A rank that dies or never arrives surfaces as an error on the survivors
-within the group's timeout, with the op, rank and group named.
+Safety: arguments are checked first (``checks``), then every rank agrees on its call with
+its peers (``agreement``), so mistakes give clear errors instead of hangs. The CPU tensors
+gloo works on are in ``staging``; the ``dist.Work`` objects in ``work``.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import time
@@ -36,7 +31,10 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
-from . import collectives_model, shm_agreement
+from . import checks, collectives_model
+from .agreement import PeerAgreement
+from .staging import HostTensors
+from .work import CombinedWork, NeuronWork
 
 ReduceOp = dist.ReduceOp
 _RED = ReduceOp.RedOpType
@@ -47,33 +45,15 @@ _GLOO_REDUCTIONS = {int(_RED.PRODUCT), int(_RED.MIN), int(_RED.MAX)} | _BITWISE
 # dtypes gloo reduces (and moves); other dtypes are moved as bytes and cannot be reduced.
 _GLOO_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
                 torch.uint8, torch.int32, torch.int64, torch.bool}
-_INFINITE = timedelta(milliseconds=-1)
-_ZERO = timedelta(0)
-_FINGERPRINTS: dict = {}   # call description -> its 56-bit hash, for the peer agreement
+_RED_NAMES = {int(k): str(k).rsplit(".", 1)[-1] for k in _RED.__members__.values()}
 
 
-def _find_runtime_alias():
-    from .. import _C
-    return getattr(_C, "_cpu_alias", None)
+def _red_kind(op) -> int:
+    return int(op.op if isinstance(op, ReduceOp) else op)
 
 
-_runtime_alias = _find_runtime_alias()
-
-
-def _cpu_alias(t: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor over the same memory as neuron tensor ``t`` (same sizes, strides, offset).
-
-    The device runtime's ``_C._cpu_alias`` keeps the device storage alive; the fallback here
-    (for runtimes without it) does not own the memory, so callers keep ``t`` alive anyway.
-    """
-    if _runtime_alias is not None:
-        return _runtime_alias(t)
-    storage = t.untyped_storage()
-    if storage.nbytes() == 0:
-        return torch.empty(t.shape, dtype=t.dtype)
-    cpu_storage = torch._C._construct_storage_from_data_pointer(
-        storage.data_ptr(), torch.device("cpu"), storage.nbytes())
-    return torch.empty(0, dtype=t.dtype).set_(cpu_storage, t.storage_offset(), t.size(), t.stride())
+def _red_name(op) -> str:
+    return _RED_NAMES[_red_kind(op)]
 
 
 _ADD_TIME = None
@@ -86,143 +66,6 @@ def _add_time():
         from ..cost_model import _add_time as add
         _ADD_TIME = add
     return _ADD_TIME
-
-
-# Names by dtype and by reduce-op value: each collective describes its call for the peer
-# agreement, and str() of torch's enums costs more than the rest of that description.
-_DTYPE_NAMES: dict = {}
-_RED_NAMES = {int(k): str(k).rsplit(".", 1)[-1] for k in _RED.__members__.values()}
-
-
-def _describe(t: torch.Tensor) -> str:
-    name = _DTYPE_NAMES.get(t.dtype)
-    if name is None:
-        name = _DTYPE_NAMES[t.dtype] = str(t.dtype).replace("torch.", "")
-    return f"{name}{list(t.shape)}"
-
-
-def _red_kind(op) -> int:
-    return int(op.op if isinstance(op, ReduceOp) else op)
-
-
-def _red_name(op) -> str:
-    return _RED_NAMES[_red_kind(op)]
-
-
-class _Host:
-    """The CPU tensors gloo uses for one collective, and what to do once it completes."""
-
-    __slots__ = ("keep", "fixups", "copyback")
-
-    def __init__(self):
-        self.keep = []       # device tensors whose memory gloo is using
-        self.fixups = []     # run first on completion (AVG division), on host tensors
-        self.copyback = []   # then copy staged results into non-contiguous outputs
-
-    def get(self, t: torch.Tensor, write: bool, as_bytes: bool = False) -> torch.Tensor:
-        if t.device.type == "neuron":
-            self.keep.append(t)
-            h = _cpu_alias(t)
-        else:
-            h = t
-        if not h.is_contiguous():
-            staged = h.contiguous()
-            if write:
-                self.copyback.append((h, staged))
-            h = staged
-        if as_bytes:
-            h = h.reshape(-1).view(torch.uint8) if h.dim() else h.reshape(1).view(torch.uint8)
-        return h
-
-    def finish(self) -> None:
-        for f in self.fixups:
-            f()
-        for dst, src in self.copyback:
-            dst.copy_(src)
-        self.keep = []
-
-
-class _NeuronWork(dist.Work):
-    """Work of one collective: waits on gloo's works, then finishes the host-side steps; its
-    future resolves to the caller's (device) tensors, as CUDA's does."""
-
-    def __init__(self, pg, op: str, works: list, result: list, host: _Host):
-        super().__init__()
-        self._pg = pg
-        self._op = op
-        self._works = works
-        self._result = result
-        self._host = host
-        self._fut = None
-
-    def _finish(self) -> None:
-        # wait() and the future's callback (a gloo thread) may both get here: popping the
-        # attribute is atomic under the GIL, so exactly one of them finishes the host side.
-        host = self.__dict__.pop("_host", None)
-        if host is not None:
-            host.finish()
-
-    def wait(self, timeout=None) -> bool:
-        try:
-            if timeout is None or timeout == _ZERO or timeout == _INFINITE:
-                for w in self._works:
-                    w.wait()
-            else:
-                for w in self._works:
-                    w.wait(timeout)
-        except RuntimeError as e:
-            raise self._pg._comm_error(self._op, e) from e
-        self._finish()
-        return True
-
-    def get_future(self):
-        if self._fut is None:
-            futs = [w.get_future() for w in self._works]
-            if not futs:
-                base = torch.futures.Future()
-                base.set_result([])
-            elif len(futs) == 1:
-                base = futs[0]
-            else:
-                base = torch.futures.collect_all(futs)
-
-            def done(f, futs=futs):
-                for g in futs:
-                    g.value()  # re-raise a communication error
-                self._finish()
-                return self._result
-
-            self._fut = base.then(done)
-        return self._fut
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self._works)
-
-    def is_success(self) -> bool:
-        return all(w.is_success() for w in self._works)
-
-    def exception(self):
-        for w in self._works:
-            e = w.exception()
-            if e is not None:
-                return e
-        return None
-
-    def result(self) -> list:
-        return self._result
-
-    def synchronize(self) -> None:
-        # The device runs in issue order on the host: nothing to order beyond wait().
-        self.wait()
-
-    def block_current_stream(self) -> None:
-        self.wait()
-
-    def source_rank(self) -> int:
-        return self._works[0]._source_rank()
-
-    def _source_rank(self) -> int:
-        return self._works[0]._source_rank()
 
 
 class ProcessGroupNeuron(dist.ProcessGroup):
@@ -239,19 +82,9 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._group_desc = ""
         self._global_ranks = list(global_ranks) if global_ranks else list(range(size))
         self._device_index = torch.neuron.current_device()
-        mode = os.environ.get("TORCH_NEURONX_DIST_CHECK", "1")
-        if mode not in ("0", "1", "gloo"):
-            raise ValueError(f"TORCH_NEURONX_DIST_CHECK={mode!r}: expected 0 (no peer agreement "
-                             "check), 1 (shared memory when the group's ranks share a host, else "
-                             "a gloo round trip) or gloo (always the gloo round trip)")
-        self._check = mode != "0" and size > 1
-        self._slots = None
-        if self._check and mode == "1" and shm_agreement.available():
-            self._slots = shm_agreement.SharedSlots.negotiate(self._gloo, rank, size)
+        self._agreement = PeerAgreement(self)
         # how this group agrees before each collective: "off", "shm" or "gloo"
-        self.check_transport = ("off" if not self._check else
-                                "shm" if self._slots is not None else "gloo")
-        self._seq = 0
+        self.check_transport = self._agreement.transport
         self._coalesced = None
         self._nodes = self._count_nodes()
         self._modelled = {}   # (op, bytes) -> modelled seconds
@@ -300,119 +133,6 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         return (f"ProcessGroupNeuron(rank={self.rank()}, size={self.size()}, "
                 f"name={self._group_name!r}, device=neuron:{self._device_index})")
 
-    # --- checks ---------------------------------------------------------------------------
-    def _check_tensors(self, op: str, tensors) -> str:
-        """All tensors of one call on one device this group serves; return its type."""
-        kind = None
-        for t in tensors:
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"neuron backend: {op} expects tensors, got {type(t).__name__}")
-            dev = t.device
-            if dev.type not in ("neuron", "cpu"):
-                raise RuntimeError(
-                    f"neuron backend: {op} got a tensor on {dev}; the neuron process group "
-                    "serves neuron and cpu tensors (move it with .to('neuron'))")
-            if dev.type == "neuron" and dev.index != self._device_index:
-                raise RuntimeError(
-                    f"neuron backend: {op} got a tensor on {dev}, but rank {self.rank()} of "
-                    f"group {self._group_name!r} communicates from neuron:{self._device_index}; "
-                    f"use tensors on neuron:{self._device_index} (torchrun binds "
-                    "neuron:LOCAL_RANK; call torch.neuron.set_device before init_process_group "
-                    "to choose another)")
-            if t.layout != torch.strided:
-                raise RuntimeError(f"neuron backend: {op} supports dense tensors only, got {t.layout}")
-            if kind is None:
-                kind = dev.type
-            elif kind != dev.type:
-                raise RuntimeError(
-                    f"neuron backend: {op} mixes {kind} and {dev.type} tensors; all tensors of "
-                    "one collective must be on the same device")
-        return kind or "cpu"
-
-    def _verify(self, op: str, signature: str, extra=None) -> list | None:
-        """Agree with every peer on ``signature`` before the real collective (see module doc).
-
-        ``extra`` (int list, same length on every rank) is gathered too and returned per rank.
-        """
-        if not self._check:
-            return None
-        self._seq += 1
-        call = f"{op}|{signature}"
-        h = _FINGERPRINTS.get(call)
-        if h is None:
-            h = int.from_bytes(hashlib.blake2b(call.encode(), digest_size=7).digest(), "little")
-            if len(_FINGERPRINTS) < 4096:   # a training loop repeats a few dozen calls
-                _FINGERPRINTS[call] = h
-        if self._slots is not None:
-            try:
-                entries = self._slots.exchange(self._seq, h, extra or (),
-                                               self._timeout.total_seconds())
-            except shm_agreement.PeerMissing as e:
-                raise self._missing_error(op, e) from e
-            agreed = all(fp == h for fp, _ in entries)
-            gathered = [ex for _, ex in entries]
-        else:
-            try:
-                agreed, gathered = self._verify_gloo(h, extra)
-            except RuntimeError as e:
-                raise self._comm_error(op, e) from e
-        if agreed:
-            return None if extra is None else gathered
-        # Disagreement: every rank reaches this point, so exchanging the descriptions is safe.
-        desc = f"{op}({signature})".encode()[:255]
-        buf = torch.zeros(256, dtype=torch.uint8)
-        buf[:len(desc)] = torch.frombuffer(bytearray(desc), dtype=torch.uint8)
-        outs = [torch.empty_like(buf) for _ in range(self.size())]
-        self._gloo.allgather([outs], [buf]).wait()
-        calls = [bytes(o.tolist()).rstrip(b"\0").decode(errors="replace") for o in outs]
-        lines = "; ".join(f"rank {i}: {c}" for i, c in enumerate(calls))
-        raise RuntimeError(
-            f"neuron backend: ranks of group {self._group_name!r} called collective #{self._seq} "
-            f"with mismatched arguments (every rank must call the same collective with the same "
-            f"dtype and shape): {lines}")
-
-    def _verify_gloo(self, h: int, extra) -> tuple:
-        """The agreement as a gloo round trip: (whether every fingerprint equals ``h``,
-        every rank's ``extra`` or None without it)."""
-        if extra is None:
-            # max(h) == -max(-h) exactly when every rank's h is the same
-            t = torch.tensor([h, -h], dtype=torch.int64)
-            opts = _c10d.AllreduceOptions()
-            opts.reduceOp = ReduceOp.MAX
-            self._gloo.allreduce([t], opts).wait()
-            return int(t[0]) == -int(t[1]), None
-        mine = torch.tensor([h] + list(extra), dtype=torch.int64)
-        outs = [torch.empty_like(mine) for _ in range(self.size())]
-        self._gloo.allgather([outs], [mine]).wait()
-        gathered = [o.tolist() for o in outs]
-        return all(g[0] == h for g in gathered), [g[1:] for g in gathered]
-
-    def _why(self, timed_out: bool) -> str:
-        if timed_out:
-            return (f"timed out after {self._timeout.total_seconds():g}s: a peer rank never "
-                    "arrived at this collective (it hung, skipped it, or died)")
-        return "a peer rank died or closed its connection"
-
-    def _comm_error(self, op: str, e: Exception) -> RuntimeError:
-        msg = str(e)
-        low = msg.lower()
-        if "timed out" in low or "timeout" in low:
-            why = self._why(True)
-        elif "closed" in low or "reset" in low or "broken pipe" in low or "connection" in low:
-            why = self._why(False)
-        else:
-            why = "the communication failed"
-        return RuntimeError(f"neuron backend: {op} on rank {self.rank()} of group "
-                            f"{self._group_name!r} (size {self.size()}): {why} [{msg}]")
-
-    def _missing_error(self, op: str, e: shm_agreement.PeerMissing) -> RuntimeError:
-        ranks = ", ".join(str(q) if self._global_ranks[q] == q else
-                          f"{q} (global rank {self._global_ranks[q]})" for q in e.ranks)
-        what = ("exited or left the group before reaching" if e.dead else "did not reach")
-        return RuntimeError(f"neuron backend: {op} on rank {self.rank()} of group "
-                            f"{self._group_name!r} (size {self.size()}): {self._why(not e.dead)} "
-                            f"[group rank(s) {ranks} {what} collective #{e.seq}]")
-
     # --- helpers --------------------------------------------------------------------------
     def _model(self, kind: str, op: str, nbytes: int) -> None:
         if kind != "neuron":
@@ -429,13 +149,13 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         _add_time()(self._device_index, cached[0], cached[1], engine="collective",
                     link_bytes=nbytes)
 
-    def _work(self, op: str, works: list, result: list, host: _Host) -> _NeuronWork:
-        w = _NeuronWork(self, op, works, result, host)
+    def _work(self, op: str, works: list, result: list, host: HostTensors) -> NeuronWork:
+        w = NeuronWork(self, op, works, result, host)
         if self._coalesced is not None:
             self._coalesced.append(w)
         return w
 
-    def _reduce_setup(self, op: str, red, dtype: torch.dtype, host: _Host, inputs: list,
+    def _reduce_setup(self, op: str, red, dtype: torch.dtype, host: HostTensors, inputs: list,
                       outputs: list, inputs_are_outputs: bool):
         """Map ``red`` to an op gloo has (AVG -> SUM then divide, PREMUL_SUM -> scale then
         SUM), rewriting ``inputs`` (host tensors) when they must be scaled."""
@@ -486,13 +206,13 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             opts = _c10d.AllreduceOptions()
         elif isinstance(opts, (ReduceOp, _RED)):
             opts = self._opts(_c10d.AllreduceOptions, None, reduceOp=ReduceOp(opts) if isinstance(opts, _RED) else opts)
-        kind = self._check_tensors("all_reduce", tensors)
+        kind = checks.tensors(self, "all_reduce", tensors)
         red = opts.reduceOp
         red_kind = _red_kind(red)
         # host views first: a rank that waits in the agreement issues right after it returns
-        host = _Host()
+        host = HostTensors()
         hs = [host.get(t, write=True) for t in tensors]
-        self._verify("all_reduce", ",".join(_describe(t) for t in tensors) + "|"
+        self._agreement.verify("all_reduce", ",".join(checks.describe(t) for t in tensors) + "|"
                      + _RED_NAMES[red_kind])
         gred, hs = self._reduce_setup("all_reduce", red, tensors[0].dtype, host, hs, hs, True)
         if red_kind == _AVG or red_kind == _PREMUL_SUM:
@@ -513,10 +233,10 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             root = 0 if opts is None else opts
             opts = _c10d.BroadcastOptions()
             opts.rootRank = root
-        kind = self._check_tensors("broadcast", tensors)
-        self._check_root("broadcast", opts.rootRank)
-        self._verify("broadcast", ",".join(_describe(t) for t in tensors) + f"|root={opts.rootRank}")
-        host = _Host()
+        kind = checks.tensors(self, "broadcast", tensors)
+        checks.root(self, "broadcast", opts.rootRank)
+        self._agreement.verify("broadcast", ",".join(checks.describe(t) for t in tensors) + f"|root={opts.rootRank}")
+        host = HostTensors()
         raw = any(t.dtype not in _GLOO_DTYPES for t in tensors)
         hs = [host.get(t, write=True, as_bytes=raw) for t in tensors]
         works = [self._gloo.broadcast([h], self._opts(_c10d.BroadcastOptions, opts, rootRank=opts.rootRank))
@@ -528,11 +248,11 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
         opts = opts if opts is not None else _c10d.ReduceOptions()
-        kind = self._check_tensors("reduce", tensors)
-        self._check_root("reduce", opts.rootRank)
-        self._verify("reduce", ",".join(_describe(t) for t in tensors)
+        kind = checks.tensors(self, "reduce", tensors)
+        checks.root(self, "reduce", opts.rootRank)
+        self._agreement.verify("reduce", ",".join(checks.describe(t) for t in tensors)
                      + f"|{_red_name(opts.reduceOp)}|root={opts.rootRank}")
-        host = _Host()
+        host = HostTensors()
         hs = [host.get(t, write=True) for t in tensors]
         outs = hs if self.rank() == opts.rootRank else []
         gred, hs = self._reduce_setup("reduce", opts.reduceOp, tensors[0].dtype, host, hs, outs, True)
@@ -544,15 +264,15 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     def allgather(self, output_lists, inputs, opts=None):
         opts = opts if opts is not None else _c10d.AllgatherOptions()
         flat_out = [t for lst in output_lists for t in lst]
-        kind = self._check_tensors("all_gather", list(inputs) + flat_out)
+        kind = checks.tensors(self, "all_gather", list(inputs) + flat_out)
         for lst, inp in zip(output_lists, inputs):
-            self._check_list_len("all_gather", lst)
+            checks.list_len(self, "all_gather", lst)
             for o in lst:
                 if o.shape != inp.shape or o.dtype != inp.dtype:
-                    raise ValueError(f"neuron backend: all_gather output {_describe(o)} does not "
-                                     f"match the input {_describe(inp)}")
-        self._verify("all_gather", ",".join(_describe(t) for t in inputs))
-        host = _Host()
+                    raise ValueError(f"neuron backend: all_gather output {checks.describe(o)} does not "
+                                     f"match the input {checks.describe(inp)}")
+        self._agreement.verify("all_gather", ",".join(checks.describe(t) for t in inputs))
+        host = HostTensors()
         raw = any(t.dtype not in _GLOO_DTYPES for t in inputs)
         works = []
         for lst, inp in zip(output_lists, inputs):
@@ -574,16 +294,16 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     def all_gather_single(self, output, input, opts=None):
         opts = opts if opts is not None else _c10d.AllgatherOptions()
-        kind = self._check_tensors("all_gather_into_tensor", [output, input])
+        kind = checks.tensors(self, "all_gather_into_tensor", [output, input])
         if output.dtype != input.dtype:
             raise TypeError(f"neuron backend: all_gather_into_tensor output dtype {output.dtype} "
                             f"!= input dtype {input.dtype}")
         if output.numel() != input.numel() * self.size():
             raise ValueError(
-                f"neuron backend: all_gather_into_tensor output {_describe(output)} must hold "
-                f"group size ({self.size()}) x input {_describe(input)} elements")
-        self._verify("all_gather_into_tensor", _describe(input))
-        host = _Host()
+                f"neuron backend: all_gather_into_tensor output {checks.describe(output)} must hold "
+                f"group size ({self.size()}) x input {checks.describe(input)} elements")
+        self._agreement.verify("all_gather_into_tensor", checks.describe(input))
+        host = HostTensors()
         raw = input.dtype not in _GLOO_DTYPES
         h_in = host.get(input, write=False, as_bytes=raw)
         h_out = host.get(output, write=True, as_bytes=raw)
@@ -603,32 +323,32 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         opts = opts if opts is not None else _c10d.ReduceScatterOptions()
         works, results = [], []
         for out, lst in zip(outputs, input_lists):
-            self._check_list_len("reduce_scatter", lst)
-            self._check_tensors("reduce_scatter", [out] + list(lst))
+            checks.list_len(self, "reduce_scatter", lst)
+            checks.tensors(self, "reduce_scatter", [out] + list(lst))
             for t in lst:
                 if t.shape != out.shape or t.dtype != out.dtype:
-                    raise ValueError(f"neuron backend: reduce_scatter input {_describe(t)} does "
-                                     f"not match the output {_describe(out)}")
+                    raise ValueError(f"neuron backend: reduce_scatter input {checks.describe(t)} does "
+                                     f"not match the output {checks.describe(out)}")
             # Lay the inputs out as one buffer and reduce-scatter it: gloo's list form only
             # exists for a subset of ops, the flat one for all.
             flat = torch.cat([t.reshape(-1) for t in lst])
             works.append(self.reduce_scatter_single(out, flat, opts, _name="reduce_scatter",
-                                                    _sig=_describe(out)))
+                                                    _sig=checks.describe(out)))
             results.append(out)
         return self._combine("reduce_scatter", works, results)
 
     def reduce_scatter_single(self, output, input, opts=None, _name="reduce_scatter_tensor", _sig=None):
         opts = opts if opts is not None else _c10d.ReduceScatterOptions()
-        kind = self._check_tensors(_name, [output, input])
+        kind = checks.tensors(self, _name, [output, input])
         if output.dtype != input.dtype:
             raise TypeError(f"neuron backend: {_name} output dtype {output.dtype} != input dtype "
                             f"{input.dtype}")
         if input.numel() != output.numel() * self.size():
             raise ValueError(
-                f"neuron backend: {_name} input {_describe(input)} must hold group size "
-                f"({self.size()}) x output {_describe(output)} elements")
-        self._verify(_name, (_sig or _describe(input)) + f"|{_red_name(opts.reduceOp)}")
-        host = _Host()
+                f"neuron backend: {_name} input {checks.describe(input)} must hold group size "
+                f"({self.size()}) x output {checks.describe(output)} elements")
+        self._agreement.verify(_name, (_sig or checks.describe(input)) + f"|{_red_name(opts.reduceOp)}")
+        host = HostTensors()
         h_in = host.get(input, write=False)
         h_out = host.get(output, write=True)
         gred, (h_in,) = self._reduce_setup(_name, opts.reduceOp, input.dtype, host, [h_in],
@@ -651,7 +371,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None,
                           opts=None):
         opts = opts if opts is not None else _c10d.AllToAllOptions()
-        kind = self._check_tensors("all_to_all_single", [output, input])
+        kind = checks.tensors(self, "all_to_all_single", [output, input])
         p = self.size()
         out_splits = list(output_split_sizes or [])
         in_splits = list(input_split_sizes or [])
@@ -666,14 +386,14 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                         f"{p} non-negative sizes summing to {name}.size(0) = "
                         f"{t.shape[0] if t.dim() else 1}")
             elif t.dim() == 0 or t.shape[0] % p:
-                raise ValueError(f"neuron backend: all_to_all_single {name} {_describe(t)}: size(0) "
+                raise ValueError(f"neuron backend: all_to_all_single {name} {checks.describe(t)}: size(0) "
                                  f"must divide evenly among {p} ranks when no split sizes are given")
         row = math.prod(input.shape[1:]) if input.dim() > 1 else 1
         # Every rank checks the whole split matrix: rank i sends in_splits[j] rows to rank j,
         # who must expect exactly that many (out_splits[i]).
         ins = in_splits or [input.shape[0] // p] * p
         outs = out_splits or [output.shape[0] // p] * p
-        gathered = self._verify("all_to_all_single",
+        gathered = self._agreement.verify("all_to_all_single",
                                 f"{str(input.dtype)}|{list(input.shape[1:])}|{list(output.shape[1:])}",
                                 extra=ins + outs)
         if gathered is not None:
@@ -685,7 +405,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                     f"{self._group_name!r}: rank {i} sends {gathered[i][j]} rows to rank {j}, which "
                     f"expects {gathered[j][p + i]} (input_split_sizes per rank: "
                     f"{[g[:p] for g in gathered]}, output_split_sizes: {[g[p:] for g in gathered]})")
-        host = _Host()
+        host = HostTensors()
         raw = input.dtype not in _GLOO_DTYPES
         h_in = host.get(input, write=False)
         h_out = host.get(output, write=True)
@@ -701,9 +421,9 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     alltoall_base = all_to_all_single
 
     def alltoall(self, outputs, inputs, opts=None):
-        self._check_tensors("all_to_all", list(outputs) + list(inputs))
-        self._check_list_len("all_to_all", outputs)
-        self._check_list_len("all_to_all", inputs)
+        checks.tensors(self, "all_to_all", list(outputs) + list(inputs))
+        checks.list_len(self, "all_to_all", outputs)
+        checks.list_len(self, "all_to_all", inputs)
         dtype = inputs[0].dtype
         if any(t.dtype != dtype for t in list(outputs) + list(inputs)):
             raise TypeError("neuron backend: all_to_all tensors must share one dtype")
@@ -721,12 +441,12 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     def gather(self, output_lists, inputs, opts=None):
         opts = opts if opts is not None else _c10d.GatherOptions()
         root = opts.rootRank
-        self._check_root("gather", root)
+        checks.root(self, "gather", root)
         flat_out = [t for lst in output_lists for t in lst]
-        kind = self._check_tensors("gather", list(inputs) + flat_out)
-        self._check_root_lists("gather", root, output_lists, flat_out, inputs[0], "output", "input")
-        self._verify("gather", ",".join(_describe(t) for t in inputs) + f"|root={root}")
-        host = _Host()
+        kind = checks.tensors(self, "gather", list(inputs) + flat_out)
+        checks.root_lists(self, "gather", root, output_lists, flat_out, inputs[0], "output", "input")
+        self._agreement.verify("gather", ",".join(checks.describe(t) for t in inputs) + f"|root={root}")
+        host = HostTensors()
         raw = inputs[0].dtype not in _GLOO_DTYPES
         h_in = [host.get(t, write=False, as_bytes=raw) for t in inputs]
         h_out = [[host.get(o, write=True, as_bytes=raw) for o in lst] for lst in output_lists]
@@ -737,12 +457,12 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     def scatter(self, outputs, input_lists, opts=None):
         opts = opts if opts is not None else _c10d.ScatterOptions()
         root = opts.rootRank
-        self._check_root("scatter", root)
+        checks.root(self, "scatter", root)
         flat_in = [t for lst in input_lists for t in lst]
-        kind = self._check_tensors("scatter", list(outputs) + flat_in)
-        self._check_root_lists("scatter", root, input_lists, flat_in, outputs[0], "input", "output")
-        self._verify("scatter", ",".join(_describe(t) for t in outputs) + f"|root={root}")
-        host = _Host()
+        kind = checks.tensors(self, "scatter", list(outputs) + flat_in)
+        checks.root_lists(self, "scatter", root, input_lists, flat_in, outputs[0], "input", "output")
+        self._agreement.verify("scatter", ",".join(checks.describe(t) for t in outputs) + f"|root={root}")
+        host = HostTensors()
         raw = outputs[0].dtype not in _GLOO_DTYPES
         h_out = [host.get(t, write=True, as_bytes=raw) for t in outputs]
         h_in = [[host.get(t, write=False, as_bytes=raw) for t in lst] for lst in input_lists]
@@ -752,11 +472,11 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     # --- point to point -------------------------------------------------------------------
     def send(self, tensors, dst: int, tag: int = 0):
-        self._check_peer("send", dst)
+        checks.peer(self, "send", dst)
         return self._p2p("send", tensors, False, lambda hs: self._gloo.send(hs, dst, tag))
 
     def recv(self, tensors, src: int, tag: int = 0):
-        self._check_peer("recv", src)
+        checks.peer(self, "recv", src)
         return self._p2p("recv", tensors, True, lambda hs: self._gloo.recv(hs, src, tag))
 
     def recv_anysource(self, tensors, tag: int = 0):
@@ -764,18 +484,18 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     def _p2p(self, op: str, tensors, write: bool, issue):
         # Point-to-point moves bytes: any dtype goes, and no peer agreement is needed.
-        kind = self._check_tensors(op, tensors)
-        host = _Host()
+        kind = checks.tensors(self, op, tensors)
+        host = HostTensors()
         w = issue([host.get(t, write=write, as_bytes=True) for t in tensors])
         self._model(kind, op, sum(t.nbytes for t in tensors))
         return self._work(op, [w], list(tensors), host)
 
     def barrier(self, opts=None):
         opts = opts if opts is not None else _c10d.BarrierOptions()
-        self._verify("barrier", "")
+        self._agreement.verify("barrier", "")
         w = self._gloo.barrier(self._opts(_c10d.BarrierOptions, opts))
         self._model("neuron", "barrier", 0)
-        return self._work("barrier", [w], [], _Host())
+        return self._work("barrier", [w], [], HostTensors())
 
     def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False):
         timeout = timeout if timeout is not None else self._timeout
@@ -791,46 +511,16 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         works, self._coalesced = self._coalesced or [], None
         return self._combine("coalesced", works, [r for w in works for r in w.result()])
 
-    def _combine(self, op: str, works: list, result: list) -> _NeuronWork:
-        return _Combined(self, op, works, result)
-
-    # --- validation helpers ---------------------------------------------------------------
-    def _check_root(self, op: str, root: int) -> None:
-        if not 0 <= root < self.size():
-            raise ValueError(f"neuron backend: {op} root rank {root} is not in group "
-                             f"{self._group_name!r} of size {self.size()}")
-
-    def _check_peer(self, op: str, peer: int) -> None:
-        if not 0 <= peer < self.size():
-            raise ValueError(f"neuron backend: {op} peer rank {peer} is not in group "
-                             f"{self._group_name!r} of size {self.size()}")
-
-    def _check_root_lists(self, op: str, root: int, lists, flat, like, role: str, other: str) -> None:
-        # gather/scatter: only the root passes the per-rank list, whose tensors match `like`.
-        if self.rank() != root:
-            if flat:
-                raise ValueError(f"neuron backend: {op}: only the root (rank {root}) passes a "
-                                 f"{op}_list")
-            return
-        for lst in lists:
-            self._check_list_len(op, lst)
-            for t in lst:
-                if t.shape != like.shape or t.dtype != like.dtype:
-                    raise ValueError(f"neuron backend: {op} {role} {_describe(t)} does not "
-                                     f"match the {other} {_describe(like)}")
-
-    def _check_list_len(self, op: str, lst) -> None:
-        if len(lst) != self.size():
-            raise ValueError(f"neuron backend: {op} needs a list of group size ({self.size()}) "
-                             f"tensors, got {len(lst)}")
+    def _combine(self, op: str, works: list, result: list) -> NeuronWork:
+        return CombinedWork(self, op, works, result)
 
     # --- lifetime -------------------------------------------------------------------------
     def abort(self) -> None:
-        self._close_slots()
+        self._agreement.close()
         self._gloo.abort()
 
     def shutdown(self) -> None:
-        self._close_slots()
+        self._agreement.close()
         self._gloo.shutdown()
         # After a synchronous collective Python drops its work at once, so the gloo worker
         # that ran it may hold the last reference and release the tensors itself, which
@@ -840,41 +530,6 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         # exception"). Sleeping releases the GIL, so a waiting worker finishes now.
         time.sleep(0.005)
 
-    def _close_slots(self) -> None:
-        if self._slots is not None:
-            self._slots.close()
-            self._slots = None
-
-
-class _Combined(_NeuronWork):
-    """Several works completed as one (coalesced and list collectives)."""
-
-    def __init__(self, pg, op, works, result):
-        super().__init__(pg, op, [], result, None)
-        self._parts = works
-
-    def wait(self, timeout=None) -> bool:
-        for w in self._parts:
-            w.wait(timeout)
-        return True
-
-    def get_future(self):
-        if self._fut is None:
-            futs = [w.get_future() for w in self._parts]
-            if not futs:
-                base = torch.futures.Future()
-                base.set_result(self._result)
-                self._fut = base
-            else:
-                self._fut = torch.futures.collect_all(futs).then(
-                    lambda f: ([g.value() for g in f.value()], self._result)[1])
-        return self._fut
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self._parts)
-
-    def result(self) -> list:
-        return self._result
 
 
 _exit_hook_installed = False
