@@ -56,8 +56,7 @@ def _single_process(monkeypatch, **env):
         AcceleratorState._reset_state(True)
 
 
-def test_accelerator_bf16_single_process(monkeypatch, tmp_path):
-    monkeypatch.chdir(tmp_path)
+def test_accelerator_bf16_single_process(monkeypatch, in_tmp):
     ours = _single_process(monkeypatch, ACCELERATE_MIXED_PRECISION="bf16")
     assert ours["device"] == "neuron" and ours["mixed_precision"] == "bf16"
     assert ours["resumed"] == ours["losses"][2:]
