@@ -14,9 +14,7 @@ import torch
 
 accelerate = pytest.importorskip("accelerate")
 
-from conftest import EXAMPLES  # noqa: E402
-
-SCRIPT = str(EXAMPLES / "accelerate_ddp.py")
+SCRIPT = str(Path(__file__).resolve().parents[2] / "examples" / "accelerate_ddp.py")
 BIN = Path(sys.executable).parent
 
 
