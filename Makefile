@@ -3,9 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.torchneuron-installed
-DEPS := torch==2.13.0 numpy ml_dtypes tqdm pytest pytest-xdist pytest-timeout hypothesis expecttest pyarrow pandas==3.1.1 matplotlib==3.11.2 ninja setuptools wheel transformers
+DEPS := torch==2.13.0 numpy ml_dtypes tqdm pytest pytest-xdist pytest-timeout hypothesis expecttest pyarrow pandas==3.1.1 matplotlib==3.11.2 ninja setuptools wheel transformers==5.24.0 accelerate==1.15.0 peft==0.21.2
 
-.PHONY: setup build demo test test-hta bench architecture clean
+.PHONY: setup build demo test test-hta test-torchtitan bench architecture clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,12 @@ test: setup
 test-hta: setup
 	$(PY) -m pip install -q HolisticTraceAnalysis==0.5.0
 	$(PY) -m pytest -q tests/profiler/hta_check.py
+
+# TorchTitan brings wandb, tensorboard and datasets (and pins huggingface_hub below 2), so it
+# gets its own target (and CI step); docs/ecosystem.md says what of it runs on neuron.
+test-torchtitan: setup
+	$(PY) -m pip install -q torchtitan==0.3.0
+	$(PY) -m pytest -q tests/ecosystem/test_torchtitan.py
 
 # Redraw docs/architecture.md's dependency diagram from the code.
 architecture: setup

@@ -24,7 +24,7 @@ def _ls(args) -> int:
               f"{torch.neuron.memory_allocated(i) / 2**20:>8.1f} MiB"
               f"{torch.neuron.memory_reserved(i) / 2**20:>8.1f} MiB"
               f"{props.peak_tflops['bfloat16']:>13.0f}{props.peak_tflops['float32']:>13.0f}")
-    print(f"{torch.neuron.device_count()} virtual device(s): {torch.neuron.get_device_name()}")
+    print(f"{torch.neuron.device_count()} virtual device(s): {torch.neuron._describe()}")
     return 0
 
 

@@ -27,8 +27,11 @@ def test_default_is_one_trn2_chip_at_lnc2():
     assert torch.neuron.is_available()
     assert torch.neuron.device_count() == 4
     assert torch.accelerator.device_count() == 4
-    assert torch.neuron.get_device_name() == "Trainium2 NeuronCore-v3 (virtual, LNC=2)"
+    # AWS's names: "neuron", and the platform type as the properties' name
+    assert torch.neuron.get_device_name() == "neuron"
     props = torch.neuron.get_device_properties(0)
+    assert props.name == "trn2" and props.chip == "Trainium2" and props.is_virtual
+    assert torch.neuron._describe() == "Trainium2 NeuronCore-v3 (virtual, LNC=2)"
     assert props.total_memory == 24 * 2**30 or os.environ.get("TORCH_NEURONX_HBM_BYTES")
     assert props.peak_tflops["bfloat16"] == pytest.approx(158.0)
     assert props.logical_nc_config == 2
@@ -43,7 +46,7 @@ def test_default_is_one_trn2_chip_at_lnc2():
     ({"NEURON_RT_VISIBLE_CORES": "0,2,5"}, 3, "Trainium2"),
 ])
 def test_environment_selects_devices(env, count, name):
-    r = _run("import torch; print(torch.neuron.device_count(), torch.neuron.get_device_name(),"
+    r = _run("import torch; print(torch.neuron.device_count(), torch.neuron._describe(),"
              " torch.neuron.get_device_properties(0).total_memory)",
              TORCH_NEURONX_HBM_BYTES="", **env)
     assert r.returncode == 0, r.stderr

@@ -243,6 +243,113 @@ def scenario_collectives():
     print("ok", RANK)
 
 
+def _nccl_forms_on(device: torch.device):
+    """Every argument form ProcessGroupNCCL accepts (its checks, not gloo's), each against a
+    local CPU computation: element counts instead of shapes, uneven list collectives, complex
+    and bool reductions, empty tensors."""
+    p, r = WORLD, RANK
+    ins = [rank_tensor(i, (1, 4, 4)) for i in range(p)]
+    mine = ins[r].to(device)
+    # all_gather_into_tensor: a flat output (Accelerate's gather), a stacked one, a 2-D one
+    for shape in ((p * 16,), (p, 1, 4, 4), (p * 4, 4), (4, p * 4)):
+        out = torch.empty(shape, device=device)
+        dist.all_gather_into_tensor(out, mine)
+        close(out.reshape(-1), torch.cat([x.reshape(-1) for x in ins]), what=f"all_gather_into_tensor {shape}")
+    # ... the same through the functional collective (no Python frontend in between)
+    import torch.distributed._functional_collectives as fc
+    got = fc.all_gather_tensor(mine.reshape(16), 0, dist.group.WORLD)
+    close(got, torch.cat([x.reshape(-1) for x in ins]), what="functional all_gather_tensor")
+    # reduce_scatter_tensor: input and output of any shapes with the right element counts
+    big = [rank_tensor(50 + i, (p * 6,)) for i in range(p)]
+    out = torch.empty(2, 3, device=device)
+    dist.reduce_scatter_tensor(out, big[r].reshape(p, 2, 3).to(device))
+    close(out.reshape(-1), sum(big).reshape(p, 6)[r], what="reduce_scatter_tensor shapes")
+    # all_reduce / broadcast / reduce: peers agree on element counts, not on shapes
+    t = ins[r].reshape(16 if r % 2 else (4, 4)).to(device).clone()
+    dist.all_reduce(t)
+    close(t.reshape(-1), sum(ins).reshape(-1), what="all_reduce shapes differ")
+    t = ins[r].reshape((2, 8) if r else (16,)).to(device).clone()
+    dist.broadcast(t, src=0)
+    close(t.reshape(-1), ins[0].reshape(-1), what="broadcast shapes differ")
+    # all_gather list: outputs of another shape, and uneven sizes (rank i gives i + 1 rows)
+    outs = [torch.empty(4, 4, device=device) for _ in range(p)]
+    dist.all_gather(outs, mine)
+    for i in range(p):
+        close(outs[i], ins[i].reshape(4, 4), what="all_gather reshaped outputs")
+    uneven = [torch.arange((i + 1) * 3, dtype=torch.float32).reshape(i + 1, 3) + 10 * i for i in range(p)]
+    outs = [torch.empty(i + 1, 3, device=device) for i in range(p)]
+    dist.all_gather(outs, uneven[r].to(device))
+    for i in range(p):
+        close(outs[i], uneven[i], what="all_gather uneven")
+    outs = [torch.empty(i + 1, 3, device=device, dtype=torch.float8_e4m3fn) for i in range(p)]
+    dist.all_gather(outs, uneven[r].to(torch.float8_e4m3fn).to(device))
+    for i in range(p):
+        close(outs[i].float(), uneven[i].to(torch.float8_e4m3fn).float(), what="all_gather uneven float8")
+    # reduce_scatter list: inputs of another shape, and uneven sizes (rank j's part has j + 1 rows)
+    parts = [[rank_tensor(200 + 10 * i + j, (2, 4)) for j in range(p)] for i in range(p)]
+    out = torch.empty(8, device=device)
+    dist.reduce_scatter(out, [x.to(device) for x in parts[r]])
+    close(out, sum(parts[i][r] for i in range(p)).reshape(-1), what="reduce_scatter reshaped")
+    parts = [[rank_tensor(300 + 10 * i + j, (j + 1, 2)) for j in range(p)] for i in range(p)]
+    out = torch.empty(r + 1, 2, device=device)
+    dist.reduce_scatter(out, [x.to(device) for x in parts[r]], op=dist.ReduceOp.AVG)
+    close(out, sum(parts[i][r] for i in range(p)) / p, what="reduce_scatter uneven AVG")
+    strided = torch.zeros(r + 1, 4, device=device)[:, ::2]
+    dist.reduce_scatter(strided, [x.to(device) for x in parts[r]])
+    close(strided, sum(parts[i][r] for i in range(p)), what="reduce_scatter uneven strided output")
+    # all_to_all_single: no splits and a dim 0 that does not divide (elements do), and rows
+    # of different shapes on the two sides
+    x = torch.arange(p * 6, dtype=torch.float32).reshape(3, 2 * p) + 100 * r
+    out = torch.empty(6 * p, device=device)
+    dist.all_to_all_single(out, x.to(device))
+    want = torch.cat([(torch.arange(p * 6, dtype=torch.float32) + 100 * i)[r * 6:(r + 1) * 6] for i in range(p)])
+    close(out, want, what="all_to_all_single element split")
+    x = torch.arange(p * 4, dtype=torch.float32).reshape(p * 2, 2) + 100 * r   # rows of 2
+    out = torch.empty(p, 4, device=device)                                     # rows of 4
+    dist.all_to_all_single(out, x.to(device), output_split_sizes=[1] * p, input_split_sizes=[2] * p)
+    want = torch.stack([(torch.arange(p * 4, dtype=torch.float32) + 100 * i)[r * 4:(r + 1) * 4] for i in range(p)])
+    close(out, want, what="all_to_all_single row shapes differ")
+    # complex reductions (as their real views) and their refusal for MIN
+    zs = [torch.complex(rank_tensor(400 + i, (5,)), rank_tensor(500 + i, (5,))) for i in range(p)]
+    for op, ref in ((dist.ReduceOp.SUM, sum(zs)), (dist.ReduceOp.AVG, sum(zs) / p)):
+        t = zs[r].to(device).clone()
+        dist.all_reduce(t, op=op)
+        close(torch.view_as_real(t.cpu()), torch.view_as_real(ref), what=f"complex all_reduce {op}")
+    import torch.distributed._functional_collectives as fc
+    got = fc.all_reduce(zs[r].to(device), "sum", dist.group.WORLD)
+    close(torch.view_as_real(got.cpu()), torch.view_as_real(sum(zs)), what="functional complex all_reduce")
+    zo = torch.empty(5, dtype=torch.complex64, device=device)
+    dist.reduce_scatter_tensor(zo, torch.cat([zs[r]] * p).to(device))
+    close(torch.view_as_real(zo.cpu()), torch.view_as_real(sum(zs)), what="complex reduce_scatter_tensor")
+    try:
+        dist.group.WORLD.allreduce([zs[r].to(device).clone()], dist.ReduceOp.MIN).wait()
+    except ValueError as e:
+        assert "complex" in str(e), e
+    else:
+        raise AssertionError("MIN on complex was accepted")
+    # bool: SUM is a logical or and PRODUCT a logical and, as NCCL's uint8 MAX/MIN
+    bs = [torch.tensor([i == 0, True, False, i == p - 1]) for i in range(p)]
+    for op, ref in ((dist.ReduceOp.SUM, torch.stack(bs).any(0)), (dist.ReduceOp.PRODUCT, torch.stack(bs).all(0)),
+                    (dist.ReduceOp.MAX, torch.stack(bs).any(0))):
+        t = bs[r].to(device).clone()
+        dist.all_reduce(t, op=op)
+        assert torch.equal(t.cpu(), ref), (op, t, ref)
+    # empty tensors
+    e = torch.empty(0, 3, device=device)
+    dist.all_reduce(e)
+    dist.broadcast(e, src=0)
+    dist.all_gather_into_tensor(torch.empty(0, device=device), e)
+    print("nccl forms ok on", device.type, flush=True)
+
+
+def scenario_nccl_forms():
+    init()
+    for device in (DEV, torch.device("cpu")):
+        _nccl_forms_on(device)
+    dist.destroy_process_group()
+    print("ok", RANK)
+
+
 def _functional(device):
     import torch.distributed._functional_collectives as fc
     group = dist.group.WORLD

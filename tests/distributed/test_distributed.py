@@ -32,6 +32,13 @@ def test_collectives(nproc):
     assert all("ok" in o for _, o in out)
 
 
+def test_every_argument_form_nccl_accepts():
+    # Accelerate and CUDA code rely on NCCL's rules (element counts, uneven list
+    # collectives, complex and bool reductions), which are wider than gloo's.
+    out = _launch.run("nccl_forms", 2, timeout=180)
+    assert all("nccl forms ok on neuron" in o and "nccl forms ok on cpu" in o for _, o in out)
+
+
 # The peer agreement runs over shared memory on one host ("1", the default) and as a gloo
 # round trip when ranks span hosts ("gloo" forces that here).
 CHECK_TRANSPORTS = pytest.mark.parametrize("check", ["1", "gloo"])

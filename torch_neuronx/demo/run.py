@@ -70,7 +70,7 @@ def run(steps=500, batch=16, compile=True, device="neuron", autocast=False) -> i
     cfg = config()
     platform = cfg.profile.name
     device = torch.device(device)
-    print(f"torchneuron demo: a small GPT on {device} = {torch.neuron.get_device_name(device)}")
+    print(f"torchneuron demo: a small GPT on {device} = {torch.neuron._describe(device)}")
     gcfg = GPTConfig()
     torch.manual_seed(0)
     model = GPT(gcfg).to(device)

@@ -78,7 +78,7 @@ class PeerAgreement:
         raise RuntimeError(
             f"neuron backend: ranks of group {self._pg._group_name!r} called collective #{self._seq} "
             f"with mismatched arguments (every rank must call the same collective with the same "
-            f"dtype and shape): {lines}")
+            f"dtype and number of elements): {lines}")
 
     def _verify_gloo(self, h: int, extra) -> tuple:
         """The agreement as a gloo round trip: (whether every fingerprint equals ``h``,

@@ -17,6 +17,22 @@ def describe(t: torch.Tensor) -> str:
     return f"{name}{list(t.shape)}"
 
 
+def count(t: torch.Tensor) -> str:
+    """A tensor as NCCL sees it in a collective: dtype and element count (``float32[12]``).
+    Peers agree on this, not on shapes: NCCL moves ``numel`` elements, whatever the shape."""
+    name = _DTYPE_NAMES.get(t.dtype)
+    if name is None:
+        name = _DTYPE_NAMES[t.dtype] = str(t.dtype).replace("torch.", "")
+    return f"{name}[{t.numel()}]"
+
+
+def same_dtype(op: str, tensors, like: torch.Tensor) -> None:
+    for t in tensors:
+        if t.dtype != like.dtype:
+            raise TypeError(f"neuron backend: {op} tensors must share one dtype: got {t.dtype} "
+                            f"and {like.dtype}")
+
+
 def tensors(pg, op: str, tensors) -> str:
     """All tensors of one call on one device this group serves; return its type."""
     kind = None

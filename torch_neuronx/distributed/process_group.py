@@ -46,10 +46,19 @@ _GLOO_REDUCTIONS = {int(_RED.PRODUCT), int(_RED.MIN), int(_RED.MAX)} | _BITWISE
 _GLOO_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
                 torch.uint8, torch.int32, torch.int64, torch.bool}
 _RED_NAMES = {int(k): str(k).rsplit(".", 1)[-1] for k in _RED.__members__.values()}
+# NCCL reduces complex tensors as their real views, for the ops where that is exact.
+_COMPLEX_REDUCTIONS = {_SUM, _AVG, _PREMUL_SUM}
+# NCCL reduces bool as uint8 and maps SUM to MAX (a logical or); PRODUCT is then a logical and.
+_BOOL_REDUCTIONS = {_SUM: int(_RED.MAX), int(_RED.PRODUCT): int(_RED.MIN)}
+
+
+def _real(h: torch.Tensor) -> torch.Tensor:
+    """The host tensor gloo reduces: complex as its real view (pairs of reals)."""
+    return torch.view_as_real(h) if h.is_complex() else h
 
 
 def _red_kind(op) -> int:
-    return int(op.op if isinstance(op, ReduceOp) else op)
+    return int(getattr(op, "op", op))
 
 
 def _red_name(op) -> str:
@@ -158,17 +167,26 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     def _reduce_setup(self, op: str, red, dtype: torch.dtype, host: HostTensors, inputs: list,
                       outputs: list, inputs_are_outputs: bool):
         """Map ``red`` to an op gloo has (AVG -> SUM then divide, PREMUL_SUM -> scale then
-        SUM), rewriting ``inputs`` (host tensors) when they must be scaled."""
-        if dtype not in _GLOO_DTYPES:
-            raise TypeError(f"neuron backend: {op} cannot reduce dtype {dtype}; reduce in "
-                            "float32/bfloat16/float16/float64 or an integer dtype")
+        SUM), rewriting ``inputs`` (host tensors) when they must be scaled. Complex tensors
+        reduce as their real views (the callers view them with ``_real``), as NCCL does."""
         kind = _red_kind(red)
+        if dtype.is_complex:
+            if kind not in _COMPLEX_REDUCTIONS:
+                raise ValueError(f"neuron backend: {op} does not support {_red_name(kind)} on "
+                                 f"complex tensors (SUM, AVG and PREMUL_SUM are supported)")
+        elif dtype not in _GLOO_DTYPES:
+            raise TypeError(f"neuron backend: {op} cannot reduce dtype {dtype}; reduce in "
+                            "float32/bfloat16/float16/float64, complex or an integer dtype")
+        if dtype == torch.bool:
+            if kind == _AVG:
+                raise TypeError(f"neuron backend: {op} cannot use ReduceOp.AVG with boolean inputs")
+            kind = _BOOL_REDUCTIONS.get(kind, kind)
         if kind == _SUM:
             return ReduceOp.SUM, inputs
         if kind == _AVG:
             size = self.size()
             for o in outputs:
-                if o.is_floating_point():
+                if o.is_floating_point() or o.is_complex():
                     host.fixups.append(lambda o=o: o.div_(size))
                 else:
                     host.fixups.append(lambda o=o: o.div_(size, rounding_mode="trunc"))
@@ -212,10 +230,11 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         # host views first: a rank that waits in the agreement issues right after it returns
         host = HostTensors()
         hs = [host.get(t, write=True) for t in tensors]
-        self._agreement.verify("all_reduce", ",".join(checks.describe(t) for t in tensors) + "|"
+        self._agreement.verify("all_reduce", ",".join(checks.count(t) for t in tensors) + "|"
                      + _RED_NAMES[red_kind])
         gred, hs = self._reduce_setup("all_reduce", red, tensors[0].dtype, host, hs, hs, True)
-        if red_kind == _AVG or red_kind == _PREMUL_SUM:
+        hs = [_real(h) for h in hs]
+        if _red_kind(gred) != red_kind:
             opts = self._opts(_c10d.AllreduceOptions, opts, reduceOp=gred)
         works = [self._gloo.allreduce([h], opts) for h in hs]
         self._model(kind, "all_reduce", sum(t.nbytes for t in tensors))
@@ -235,7 +254,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             opts.rootRank = root
         kind = checks.tensors(self, "broadcast", tensors)
         checks.root(self, "broadcast", opts.rootRank)
-        self._agreement.verify("broadcast", ",".join(checks.describe(t) for t in tensors) + f"|root={opts.rootRank}")
+        self._agreement.verify("broadcast", ",".join(checks.count(t) for t in tensors) + f"|root={opts.rootRank}")
         host = HostTensors()
         raw = any(t.dtype not in _GLOO_DTYPES for t in tensors)
         hs = [host.get(t, write=True, as_bytes=raw) for t in tensors]
@@ -250,35 +269,51 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         opts = opts if opts is not None else _c10d.ReduceOptions()
         kind = checks.tensors(self, "reduce", tensors)
         checks.root(self, "reduce", opts.rootRank)
-        self._agreement.verify("reduce", ",".join(checks.describe(t) for t in tensors)
+        self._agreement.verify("reduce", ",".join(checks.count(t) for t in tensors)
                      + f"|{_red_name(opts.reduceOp)}|root={opts.rootRank}")
         host = HostTensors()
         hs = [host.get(t, write=True) for t in tensors]
         outs = hs if self.rank() == opts.rootRank else []
         gred, hs = self._reduce_setup("reduce", opts.reduceOp, tensors[0].dtype, host, hs, outs, True)
+        hs = [_real(h) for h in hs]
         works = [self._gloo.reduce([h], self._opts(_c10d.ReduceOptions, opts, reduceOp=gred,
                                                     rootRank=opts.rootRank)) for h in hs]
         self._model(kind, "reduce", sum(t.nbytes for t in tensors))
         return self._work("reduce", works, list(tensors), host)
 
     def allgather(self, output_lists, inputs, opts=None):
+        # NCCL's forms: every output the same shape, each holding input.numel() elements (any
+        # shape); or uneven, output i holding rank i's input (a vector all-gather).
         opts = opts if opts is not None else _c10d.AllgatherOptions()
         flat_out = [t for lst in output_lists for t in lst]
         kind = checks.tensors(self, "all_gather", list(inputs) + flat_out)
         for lst, inp in zip(output_lists, inputs):
             checks.list_len(self, "all_gather", lst)
-            for o in lst:
-                if o.shape != inp.shape or o.dtype != inp.dtype:
-                    raise ValueError(f"neuron backend: all_gather output {checks.describe(o)} does not "
-                                     f"match the input {checks.describe(inp)}")
-        self._agreement.verify("all_gather", ",".join(checks.describe(t) for t in inputs))
+            checks.same_dtype("all_gather", lst, inp)
+            if lst[self.rank()].numel() != inp.numel():
+                raise ValueError(
+                    f"neuron backend: all_gather output {self.rank()} {checks.describe(lst[self.rank()])} "
+                    f"must hold this rank's input {checks.describe(inp)} (as many elements)")
+        self._agreement.verify("all_gather", ";".join(
+            ",".join(checks.count(o) for o in lst) for lst in output_lists))
         host = HostTensors()
         raw = any(t.dtype not in _GLOO_DTYPES for t in inputs)
         works = []
         for lst, inp in zip(output_lists, inputs):
-            h_in = host.get(inp, write=False, as_bytes=raw)
-            h_out = [host.get(o, write=True, as_bytes=raw) for o in lst]
-            works.append(self._gloo.allgather([h_out], [h_in], self._opts(_c10d.AllgatherOptions, opts)))
+            h_in = host.get(inp, write=False, as_bytes=raw).reshape(-1)
+            h_out = [host.get(o, write=True, as_bytes=raw).reshape(-1) for o in lst]
+            sizes = [h.numel() for h in h_out]
+            m = max(sizes)
+            if all(n == m for n in sizes):
+                works.append(self._gloo.allgather([h_out], [h_in], self._opts(_c10d.AllgatherOptions, opts)))
+                continue
+            # uneven: gather padded rows, then each rank's part lands in its output
+            padded = torch.zeros(m, dtype=h_in.dtype)
+            padded[:h_in.numel()] = h_in
+            buf = torch.empty(self.size() * m, dtype=h_in.dtype)
+            works.append(self._gloo._allgather_base(buf, padded, self._opts(_c10d.AllgatherOptions, opts)))
+            host.fixups.append(lambda buf=buf, h_out=h_out, m=m: [
+                h.copy_(buf[i * m:i * m + h.numel()]) for i, h in enumerate(h_out)])
         self._model(kind, "all_gather", sum(t.nbytes for t in flat_out))
         return self._work("all_gather", works, list(output_lists), host)
 
@@ -293,6 +328,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         return self._combine("all_gather_coalesced", host_works, results)
 
     def all_gather_single(self, output, input, opts=None):
+        # NCCL's rule: output holds group size x input.numel() elements, whatever the shapes
+        # (Accelerate passes a flat output for a (1, 16, 16) input).
         opts = opts if opts is not None else _c10d.AllgatherOptions()
         kind = checks.tensors(self, "all_gather_into_tensor", [output, input])
         if output.dtype != input.dtype:
@@ -302,11 +339,11 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             raise ValueError(
                 f"neuron backend: all_gather_into_tensor output {checks.describe(output)} must hold "
                 f"group size ({self.size()}) x input {checks.describe(input)} elements")
-        self._agreement.verify("all_gather_into_tensor", checks.describe(input))
+        self._agreement.verify("all_gather_into_tensor", checks.count(input))
         host = HostTensors()
         raw = input.dtype not in _GLOO_DTYPES
-        h_in = host.get(input, write=False, as_bytes=raw)
-        h_out = host.get(output, write=True, as_bytes=raw)
+        h_in = host.get(input, write=False, as_bytes=raw).reshape(-1)
+        h_out = host.get(output, write=True, as_bytes=raw).reshape(-1)
         w = self._gloo._allgather_base(h_out, h_in, self._opts(_c10d.AllgatherOptions, opts))
         self._model(kind, "all_gather", output.nbytes)
         return self._work("all_gather_into_tensor", [w], [output], host)
@@ -320,24 +357,39 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
+        # NCCL's forms: inputs of one shape holding output.numel() elements each (any shape);
+        # or uneven, input i holding rank i's output (a vector reduce-scatter).
         opts = opts if opts is not None else _c10d.ReduceScatterOptions()
         works, results = [], []
         for out, lst in zip(outputs, input_lists):
             checks.list_len(self, "reduce_scatter", lst)
             checks.tensors(self, "reduce_scatter", [out] + list(lst))
-            for t in lst:
-                if t.shape != out.shape or t.dtype != out.dtype:
-                    raise ValueError(f"neuron backend: reduce_scatter input {checks.describe(t)} does "
-                                     f"not match the output {checks.describe(out)}")
-            # Lay the inputs out as one buffer and reduce-scatter it: gloo's list form only
-            # exists for a subset of ops, the flat one for all.
-            flat = torch.cat([t.reshape(-1) for t in lst])
-            works.append(self.reduce_scatter_single(out, flat, opts, _name="reduce_scatter",
-                                                    _sig=checks.describe(out)))
+            checks.same_dtype("reduce_scatter", lst, out)
+            mine = lst[self.rank()]
+            if mine.numel() != out.numel():
+                raise ValueError(f"neuron backend: reduce_scatter input {self.rank()} "
+                                 f"{checks.describe(mine)} must hold as many elements as this "
+                                 f"rank's output {checks.describe(out)}")
+            sizes = [t.numel() for t in lst]
+            m = max(sizes)
+            # Lay the inputs out as one buffer (padded to the largest) and reduce-scatter it:
+            # gloo's list form only exists for a subset of ops, the flat one for all.
+            flat = torch.cat([t.reshape(-1) if t.numel() == m else
+                              torch.cat([t.reshape(-1), t.new_zeros(m - t.numel())]) for t in lst])
+            sig = ",".join(checks.count(t) for t in lst)
+            if all(n == m for n in sizes):
+                works.append(self.reduce_scatter_single(out, flat, opts, _name="reduce_scatter",
+                                                        _sig=sig))
+            else:
+                works.append(self.reduce_scatter_single(out.new_empty(m), flat, opts,
+                                                        _name="reduce_scatter", _sig=sig, _dest=out))
             results.append(out)
         return self._combine("reduce_scatter", works, results)
 
-    def reduce_scatter_single(self, output, input, opts=None, _name="reduce_scatter_tensor", _sig=None):
+    def reduce_scatter_single(self, output, input, opts=None, _name="reduce_scatter_tensor", _sig=None,
+                              _dest=None):
+        """NCCL's rule: input holds group size x output.numel() elements, whatever the shapes.
+        ``_dest``: the caller's output when ``output`` is a larger (padded) buffer."""
         opts = opts if opts is not None else _c10d.ReduceScatterOptions()
         kind = checks.tensors(self, _name, [output, input])
         if output.dtype != input.dtype:
@@ -347,18 +399,24 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             raise ValueError(
                 f"neuron backend: {_name} input {checks.describe(input)} must hold group size "
                 f"({self.size()}) x output {checks.describe(output)} elements")
-        self._agreement.verify(_name, (_sig or checks.describe(input)) + f"|{_red_name(opts.reduceOp)}")
+        self._agreement.verify(_name, (_sig or checks.count(input)) + f"|{_red_name(opts.reduceOp)}")
         host = HostTensors()
         h_in = host.get(input, write=False)
         h_out = host.get(output, write=True)
         gred, (h_in,) = self._reduce_setup(_name, opts.reduceOp, input.dtype, host, [h_in],
                                            [h_out], False)
         # gloo splits the flat input in rank order; flat views keep any shape pairing valid
-        h_in, h_out = h_in.reshape(-1), h_out.reshape(-1)
+        h_in, h_out = _real(h_in).reshape(-1), _real(h_out).reshape(-1)
         w = self._gloo._reduce_scatter_base(
             h_out, h_in, self._opts(_c10d.ReduceScatterOptions, opts, reduceOp=gred))
+        result = output
+        if _dest is not None:
+            h_dest = _real(host.get(_dest, write=True)).reshape(-1)
+            host.keep.append(output)
+            host.fixups.append(lambda: h_dest.copy_(h_out[:h_dest.numel()]))
+            result = _dest
         self._model(kind, "reduce_scatter", input.nbytes)
-        return self._work(_name, [w], [output], host)
+        return self._work(_name, [w], [result], host)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -370,53 +428,67 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None,
                           opts=None):
+        # NCCL's rules. Without split sizes: rank j gets elements [j n/p, (j+1) n/p) of the
+        # flat input, whatever the shapes (n = input.numel(), divisible by p). With split
+        # sizes on either side: splits of dim 0 (an empty side splits its dim 0 evenly), each
+        # row worth size(0)-th of the tensor's elements.
         opts = opts if opts is not None else _c10d.AllToAllOptions()
         kind = checks.tensors(self, "all_to_all_single", [output, input])
         p = self.size()
-        out_splits = list(output_split_sizes or [])
-        in_splits = list(input_split_sizes or [])
         if output.dtype != input.dtype:
             raise TypeError(f"neuron backend: all_to_all_single output dtype {output.dtype} != "
                             f"input dtype {input.dtype}")
-        for name, splits, t in (("input", in_splits, input), ("output", out_splits, output)):
-            if splits:
-                if len(splits) != p or any(s < 0 for s in splits) or sum(splits) != (t.shape[0] if t.dim() else 1):
-                    raise ValueError(
-                        f"neuron backend: all_to_all_single {name}_split_sizes {splits} must be "
-                        f"{p} non-negative sizes summing to {name}.size(0) = "
-                        f"{t.shape[0] if t.dim() else 1}")
-            elif t.dim() == 0 or t.shape[0] % p:
-                raise ValueError(f"neuron backend: all_to_all_single {name} {checks.describe(t)}: size(0) "
-                                 f"must divide evenly among {p} ranks when no split sizes are given")
-        row = math.prod(input.shape[1:]) if input.dim() > 1 else 1
-        # Every rank checks the whole split matrix: rank i sends in_splits[j] rows to rank j,
-        # who must expect exactly that many (out_splits[i]).
-        ins = in_splits or [input.shape[0] // p] * p
-        outs = out_splits or [output.shape[0] // p] * p
-        gathered = self._agreement.verify("all_to_all_single",
-                                f"{str(input.dtype)}|{list(input.shape[1:])}|{list(output.shape[1:])}",
-                                extra=ins + outs)
+        if not output_split_sizes and not input_split_sizes:
+            if input.numel() % p or output.numel() != input.numel():
+                raise ValueError(
+                    f"neuron backend: all_to_all_single input {checks.describe(input)} and output "
+                    f"{checks.describe(output)} must hold the same number of elements, divisible "
+                    f"among {p} ranks, when no split sizes are given")
+            ins = outs = [input.numel() // p] * p
+        else:
+            ins = self._element_splits("input", input, input_split_sizes)
+            outs = self._element_splits("output", output, output_split_sizes)
+        # Every rank checks the whole matrix: rank i sends ins[j] elements to rank j, who must
+        # expect exactly that many (its outs[i]).
+        gathered = self._agreement.verify("all_to_all_single", str(input.dtype),
+                                          extra=ins + outs)
         if gathered is not None:
             bad = [(i, j) for i in range(p) for j in range(p) if gathered[i][j] != gathered[j][p + i]]
             if bad:
                 i, j = bad[0]
                 raise RuntimeError(
                     f"neuron backend: all_to_all_single split sizes disagree across ranks of group "
-                    f"{self._group_name!r}: rank {i} sends {gathered[i][j]} rows to rank {j}, which "
-                    f"expects {gathered[j][p + i]} (input_split_sizes per rank: "
-                    f"{[g[:p] for g in gathered]}, output_split_sizes: {[g[p:] for g in gathered]})")
+                    f"{self._group_name!r}: rank {i} sends {gathered[i][j]} elements to rank {j}, "
+                    f"which expects {gathered[j][p + i]} (elements sent per rank: "
+                    f"{[g[:p] for g in gathered]}, expected: {[g[p:] for g in gathered]})")
         host = HostTensors()
         raw = input.dtype not in _GLOO_DTYPES
-        h_in = host.get(input, write=False)
-        h_out = host.get(output, write=True)
-        if raw:
-            # moved as bytes: a row of ``row`` elements becomes row * itemsize bytes
-            h_in = h_in.reshape(h_in.shape[0], row).view(torch.uint8)
-            h_out = h_out.reshape(h_out.shape[0], row).view(torch.uint8)
-        w = self._gloo.alltoall_base(h_out, h_in, out_splits, in_splits,
-                                     self._opts(_c10d.AllToAllOptions, opts))
+        h_in = host.get(input, write=False, as_bytes=raw).reshape(-1)
+        h_out = host.get(output, write=True, as_bytes=raw).reshape(-1)
+        scale = input.element_size() if raw else 1   # moved as bytes
+        w = self._gloo.alltoall_base(h_out, h_in, [n * scale for n in outs],
+                                     [n * scale for n in ins], self._opts(_c10d.AllToAllOptions, opts))
         self._model(kind, "all_to_all", input.nbytes)
         return self._work("all_to_all_single", [w], [output], host)
+
+    def _element_splits(self, name: str, t: torch.Tensor, splits) -> list:
+        """NCCL's checkSplitSizes and computeLengthsAndOffsets: dim-0 splits as element counts."""
+        p = self.size()
+        rows = t.shape[0] if t.dim() else 1
+        if splits:
+            splits = list(splits)
+            if len(splits) != p or any(s < 0 for s in splits) or sum(splits) != rows:
+                raise ValueError(
+                    f"neuron backend: all_to_all_single {name}_split_sizes {splits} must be {p} "
+                    f"non-negative sizes summing to {name}.size(0) = {rows}")
+        else:
+            if t.dim() == 0 or rows % p:
+                raise ValueError(f"neuron backend: all_to_all_single {name} {checks.describe(t)}: "
+                                 f"size(0) must divide evenly among {p} ranks when no "
+                                 f"{name}_split_sizes are given")
+            splits = [rows // p] * p
+        row = t.numel() // rows if rows else 0
+        return [s * row for s in splits]
 
     alltoall_base = all_to_all_single
 
@@ -445,7 +517,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         flat_out = [t for lst in output_lists for t in lst]
         kind = checks.tensors(self, "gather", list(inputs) + flat_out)
         checks.root_lists(self, "gather", root, output_lists, flat_out, inputs[0], "output", "input")
-        self._agreement.verify("gather", ",".join(checks.describe(t) for t in inputs) + f"|root={root}")
+        self._agreement.verify("gather", ",".join(checks.count(t) for t in inputs) + f"|root={root}")
         host = HostTensors()
         raw = inputs[0].dtype not in _GLOO_DTYPES
         h_in = [host.get(t, write=False, as_bytes=raw) for t in inputs]
@@ -461,7 +533,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         flat_in = [t for lst in input_lists for t in lst]
         kind = checks.tensors(self, "scatter", list(outputs) + flat_in)
         checks.root_lists(self, "scatter", root, input_lists, flat_in, outputs[0], "input", "output")
-        self._agreement.verify("scatter", ",".join(checks.describe(t) for t in outputs) + f"|root={root}")
+        self._agreement.verify("scatter", ",".join(checks.count(t) for t in outputs) + f"|root={root}")
         host = HostTensors()
         raw = outputs[0].dtype not in _GLOO_DTYPES
         h_out = [host.get(t, write=True, as_bytes=raw) for t in outputs]

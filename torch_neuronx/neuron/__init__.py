@@ -23,7 +23,7 @@ from .streams import (Event, Stream, StreamContext, current_stream, default_stre
 
 @dataclass(frozen=True)
 class NeuronDeviceProperties:
-    name: str
+    name: str                   # platform type, as AWS reports it: trn1 | trn2 | trn3
     chip: str
     core_version: str
     platform: str               # trn1 | trn2 | trn3
@@ -50,7 +50,7 @@ def get_device_properties(device=None) -> NeuronDeviceProperties:
     p, lnc = cfg.profile, cfg.lnc
     major = int(p.core_version.rsplit("v", 1)[-1])
     return NeuronDeviceProperties(
-        name=get_device_name(idx), chip=p.chip, core_version=p.core_version, platform=p.name,
+        name=p.name, chip=p.chip, core_version=p.core_version, platform=p.name,
         logical_nc_config=lnc, physical_cores=lnc, core_id=cfg.cores[idx],
         total_memory=cfg.hbm_bytes, hbm_bandwidth=p.core_hbm_bandwidth(lnc),
         peak_tflops={k: v * lnc for k, v in p.core_tflops.items()},
@@ -58,9 +58,18 @@ def get_device_properties(device=None) -> NeuronDeviceProperties:
         multi_processor_count=lnc, major=major, minor=0)
 
 
+def _describe(device=None) -> str:
+    """One line for people: ``Trainium2 NeuronCore-v3 (virtual, LNC=2)``."""
+    p = get_device_properties(device)
+    return f"{p.chip} {p.core_version} (virtual, LNC={p.logical_nc_config})"
+
+
 def get_device_name(device=None) -> str:
-    cfg = _state.config()
-    return f"{cfg.profile.chip} {cfg.profile.core_version} (virtual, LNC={cfg.lnc})"
+    """``"neuron"``, as AWS's torch_neuronx reports it: libraries match the accelerator on
+    this name and then read the platform from ``get_device_properties().name`` (TorchTitan's
+    MFU peak-FLOPs table does). The chip, core version and ``is_virtual`` are properties."""
+    get_device_properties(device)   # an invalid index raises, as on CUDA
+    return "neuron"
 
 
 def get_device_capability(device=None) -> tuple:
@@ -69,7 +78,9 @@ def get_device_capability(device=None) -> tuple:
 
 
 def get_amp_supported_dtype() -> list:
-    return [torch.bfloat16, torch.float16]
+    # float32 as on CUDA: autocast(dtype=torch.float32) is legal there (TorchTitan uses it
+    # when mixed precision is off); without it torch disables autocast with a warning.
+    return [torch.bfloat16, torch.float16, torch.float32]
 
 
 def is_bf16_supported(including_emulation: bool = True) -> bool:
