@@ -9,7 +9,7 @@ DEPS := torch==2.13.0 numpy ml_dtypes tqdm pytest pytest-xdist pytest-timeout hy
 
 setup: $(STAMP)
 
-$(STAMP): Makefile pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
+$(STAMP): Makefile pyproject.toml setup.py $(wildcard csrc/*/*.cpp csrc/*/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(DEPS)

@@ -1,3 +1,4 @@
+import glob
 import os
 
 # Building must not load the (possibly stale) extension through torch's backend autoload.
@@ -10,13 +11,11 @@ setup(
     ext_modules=[
         CppExtension(
             "torch_neuronx._C",
-            sources=["csrc/allocator.cpp", "csrc/device.cpp", "csrc/kernels.cpp", "csrc/launch.cpp", "csrc/module.cpp",
-                     "csrc/queue.cpp", "csrc/fusion.cpp", "csrc/fused_rows.cpp", "csrc/fused_exact.cpp",
-                     "csrc/stream_check.cpp"],
+            sources=sorted(glob.glob("csrc/*/*.cpp")),
             # OpenMP: at::parallel_for in our kernels (the fused ones) must really run in
             # parallel, and mark the region so the ATen kernels inside it run serially.
-            extra_compile_args=["-O2", "-std=c++17", "-fopenmp", "-ffp-contract=off"],
-            extra_link_args=["-fopenmp"],
+            extra_compile_args=["-O2", "-std=c++17", "-fopenmp", "-ffp-contract=off", "-flto=auto"],
+            extra_link_args=["-fopenmp", "-flto=auto", "-O2", "-ffp-contract=off"],
         )
     ],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

@@ -124,7 +124,7 @@ def test_in_place_product_of_two_nans():
     assert _check(program, a, b)["fused_ops"] >= 3
 
 
-# Exact ops whose results do not depend on the loop even for NaNs (launch.cpp, NanLoop),
+# Exact ops whose results do not depend on the loop even for NaNs (csrc/aten/fusable.cpp, NanLoop),
 # per result dtype: checked here against this machine's ATen, over calls of every tail length.
 _FREE = {
     torch.float32: ["add", "sub", "div", "neg", "abs", "sqrt", "rsqrt", "reciprocal", "relu",

@@ -512,35 +512,32 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     def gather(self, output_lists, inputs, opts=None):
         opts = opts if opts is not None else _c10d.GatherOptions()
-        root = opts.rootRank
-        checks.root(self, "gather", root)
-        flat_out = [t for lst in output_lists for t in lst]
-        kind = checks.tensors(self, "gather", list(inputs) + flat_out)
-        checks.root_lists(self, "gather", root, output_lists, flat_out, inputs[0], "output", "input")
-        self._agreement.verify("gather", ",".join(checks.count(t) for t in inputs) + f"|root={root}")
-        host = HostTensors()
-        raw = inputs[0].dtype not in _GLOO_DTYPES
-        h_in = [host.get(t, write=False, as_bytes=raw) for t in inputs]
-        h_out = [[host.get(o, write=True, as_bytes=raw) for o in lst] for lst in output_lists]
-        w = self._gloo.gather(h_out, h_in, self._opts(_c10d.GatherOptions, opts, rootRank=root))
-        self._model(kind, "gather", inputs[0].nbytes * self.size())
-        return self._work("gather", [w], list(output_lists), host)
+        return self._rooted("gather", _c10d.GatherOptions, opts, output_lists, inputs, lists_written=True)
 
     def scatter(self, outputs, input_lists, opts=None):
         opts = opts if opts is not None else _c10d.ScatterOptions()
+        return self._rooted("scatter", _c10d.ScatterOptions, opts, input_lists, outputs, lists_written=False)
+
+    def _rooted(self, name, options, opts, lists, singles, lists_written):
+        """gather (the root's lists are written) and scatter (they are read): one per rank."""
         root = opts.rootRank
-        checks.root(self, "scatter", root)
-        flat_in = [t for lst in input_lists for t in lst]
-        kind = checks.tensors(self, "scatter", list(outputs) + flat_in)
-        checks.root_lists(self, "scatter", root, input_lists, flat_in, outputs[0], "input", "output")
-        self._agreement.verify("scatter", ",".join(checks.count(t) for t in outputs) + f"|root={root}")
+        checks.root(self, name, root)
+        flat = [t for lst in lists for t in lst]
+        kind = checks.tensors(self, name, list(singles) + flat)
+        roles = ("output", "input") if lists_written else ("input", "output")
+        checks.root_lists(self, name, root, lists, flat, singles[0], *roles)
+        self._agreement.verify(name, ",".join(checks.count(t) for t in singles) + f"|root={root}")
         host = HostTensors()
-        raw = outputs[0].dtype not in _GLOO_DTYPES
-        h_out = [host.get(t, write=True, as_bytes=raw) for t in outputs]
-        h_in = [[host.get(t, write=False, as_bytes=raw) for t in lst] for lst in input_lists]
-        w = self._gloo.scatter(h_out, h_in, self._opts(_c10d.ScatterOptions, opts, rootRank=root))
-        self._model(kind, "scatter", outputs[0].nbytes * self.size())
-        return self._work("scatter", [w], list(outputs), host)
+        raw = singles[0].dtype not in _GLOO_DTYPES
+        h_singles = [host.get(t, write=not lists_written, as_bytes=raw) for t in singles]
+        h_lists = [[host.get(t, write=lists_written, as_bytes=raw) for t in lst] for lst in lists]
+        gloo_opts = self._opts(options, opts, rootRank=root)
+        if lists_written:
+            w = self._gloo.gather(h_lists, h_singles, gloo_opts)
+        else:
+            w = self._gloo.scatter(h_singles, h_lists, gloo_opts)
+        self._model(kind, name, singles[0].nbytes * self.size())
+        return self._work(name, [w], list(lists) if lists_written else list(singles), host)
 
     # --- point to point -------------------------------------------------------------------
     def send(self, tensors, dst: int, tag: int = 0):

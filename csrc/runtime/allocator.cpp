@@ -1,6 +1,6 @@
 // The runtime's device memory: a caching allocator over host memory, per device, with the
 // modelled HBM capacity enforced and CUDA-compatible statistics.
-#include "neuron.h"
+#include "runtime.h"
 
 #include <c10/util/Exception.h>
 
@@ -142,7 +142,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
   DeviceStats getDeviceStats(c10::DeviceIndex d) override {
     // Tensors the program dropped may still be held by the fusion window: let it go first,
     // so the numbers say what the program holds.
-    fusion::flush(d);
+    queue::close_window(d);
     std::lock_guard<std::mutex> g(mu_);
     return state_[d].stats;
   }
@@ -171,7 +171,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
   }
 
   std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex d) override {
-    fusion::flush(d);
+    queue::close_window(d);
     std::lock_guard<std::mutex> g(mu_);
     auto& st = state_[d];
     int64_t used = st.stats.reserved_bytes[0].current;

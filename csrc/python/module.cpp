@@ -1,5 +1,5 @@
 // Python bindings of the runtime glue: device table, memory limits and op records.
-#include "neuron.h"
+#include "../aten/aten.h"
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -9,15 +9,6 @@
 
 #include <unordered_set>
 
-namespace neuron {
-int route_composites_to_cpu();
-void set_quiet(bool on);
-bool quiet();
-std::vector<std::tuple<std::string, int, int, std::vector<int64_t>, int64_t, int64_t, int64_t,
-                       int64_t, int64_t>>
-drain_records();
-std::vector<std::pair<std::string, int64_t>> sync_op_counts(bool reset);
-}  // namespace neuron
 
 namespace {
 

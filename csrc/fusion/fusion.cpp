@@ -563,4 +563,9 @@ Stats stats(bool reset) {
   return s;
 }
 
+namespace {
+// The runtime below closes the window through this hook (it cannot call up into fusion/).
+const bool g_closer_registered = (queue::set_window_closer(&flush, &flush_all), true);
+}  // namespace
+
 }  // namespace neuron::fusion

@@ -1,6 +1,6 @@
 // Device table, device guard (streams and events), hooks and generators: the parts of a
 // device PyTorch asks every backend to provide.
-#include "neuron.h"
+#include "runtime.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
@@ -147,7 +147,7 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   // One in-order executor per device runs every stream: work launched after the wait already
   // follows the recorded work.
   void block(void* event, const c10::Stream& stream) const override {
-    fusion::flush(stream.device_index());  // a cross-stream wait is a fusion boundary
+    queue::close_window(stream.device_index());  // a cross-stream wait is a fusion boundary
     timeline_barrier(stream.device_index());
     if (event && check::enabled()) check::on_event_wait(event, stream.device_index(), stream.id());
   }

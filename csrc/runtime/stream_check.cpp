@@ -5,7 +5,7 @@
 // Ordering is tracked with vector clocks: each stream counts its ops; recording an event
 // snapshots the stream's clock, waiting on it merges the snapshot, and a host
 // synchronization merges into the host's clock, which every later launch inherits.
-#include "neuron.h"
+#include "runtime.h"
 
 #include <c10/util/Exception.h>
 

@@ -7,7 +7,7 @@
 // Errors inside queued work are kept (the first one, with the op and the Python line that
 // launched it), the rest of the already-queued work is skipped, and the error is raised by
 // the next call that waits for the device; new work then runs normally again.
-#include "neuron.h"
+#include "runtime.h"
 
 #include <Python.h>
 #include <pthread.h>
@@ -378,6 +378,22 @@ void set_site_hooks(Site (*capture)(), std::string (*describe)(const Site&)) {
   g_describe = describe;
 }
 
+namespace {
+void (*g_close_window)(c10::DeviceIndex) = nullptr;
+void (*g_close_all_windows)() = nullptr;
+}  // namespace
+
+void set_window_closer(void (*flush)(c10::DeviceIndex), void (*flush_all)()) {
+  g_close_window = flush;
+  g_close_all_windows = flush_all;
+}
+void close_window(c10::DeviceIndex d) {
+  if (g_close_window) g_close_window(d);
+}
+void close_all_windows() {
+  if (g_close_all_windows) g_close_all_windows();
+}
+
 uint64_t launch_now(c10::DeviceIndex d, int64_t stream, const char* op, std::function<void()> run,
                     int64_t bytes) {
   return get(d).launch(op, stream, std::move(run), bytes);
@@ -385,17 +401,17 @@ uint64_t launch_now(c10::DeviceIndex d, int64_t stream, const char* op, std::fun
 
 uint64_t launch(c10::DeviceIndex d, int64_t stream, const char* op, std::function<void()> run,
                 int64_t bytes) {
-  fusion::flush(d);
+  close_window(d);
   return get(d).launch(op, stream, std::move(run), bytes);
 }
 
 bool run_inline(c10::DeviceIndex d, int64_t stream, const char* op, c10::function_ref<void()> run) {
-  fusion::flush(d);
+  close_window(d);
   return get(d).run_inline(op, stream, run);
 }
 
 void synchronize(c10::DeviceIndex d) {
-  fusion::flush(d);
+  close_window(d);
   timeline_barrier(d);
   auto* q = g_queues[d].load(std::memory_order_acquire);
   if (!q) return;
@@ -404,14 +420,14 @@ void synchronize(c10::DeviceIndex d) {
 }
 
 void synchronize_all() {
-  fusion::flush_all();
+  close_all_windows();
   for (int d = 0; d < kMaxDevices; ++d) {
     if (g_queues[d].load(std::memory_order_acquire)) synchronize(static_cast<c10::DeviceIndex>(d));
   }
 }
 
 void synchronize_stream(c10::DeviceIndex d, int64_t stream) {
-  fusion::flush(d);
+  close_window(d);
   timeline_barrier(d);
   auto* q = g_queues[d].load(std::memory_order_acquire);
   if (!q) return;
@@ -420,7 +436,7 @@ void synchronize_stream(c10::DeviceIndex d, int64_t stream) {
 }
 
 bool query_stream(c10::DeviceIndex d, int64_t stream) {
-  fusion::flush(d);
+  close_window(d);
   auto* q = g_queues[d].load(std::memory_order_acquire);
   if (!q) return true;
   bool done = q->done(q->last(stream));

@@ -1,7 +1,7 @@
 // What the fusion window (fusion.cpp) and the rows kernel (fused_rows.cpp) share.
 #pragma once
 
-#include "neuron.h"
+#include "fusion.h"
 
 #include <functional>
 #include <memory>

@@ -1,5 +1,5 @@
-// Shared declarations of the neuron runtime glue: the device table, the caching allocator
-// over host memory, and the op record the cost model reads.
+// The runtime: the device table, the caching allocator over host memory, generators, the
+// device's work queues and the stream checker. It depends on nothing else in csrc/.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -8,12 +8,13 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
-#include <optional>
+#include "record.h"
 
 namespace neuron {
 
@@ -40,10 +41,12 @@ bool is_pinned(const void* p);
 const at::Generator& default_generator(c10::DeviceIndex d);
 at::Generator new_generator(c10::DeviceIndex d);
 
-// Zero-copy CPU view of a device tensor.
+// Device memory is host memory (alias.cpp): a zero-copy CPU view of a device tensor; a
+// device tensor over the memory of a fresh CPU tensor; a device tensor shaped like `like`
+// over `storage`.
 at::Tensor cpu_alias(const at::Tensor& t);
-// Device tensor over the memory of a fresh CPU tensor.
 at::Tensor adopt_tensor(const at::Tensor& cpu, c10::DeviceIndex d);
+at::Tensor wrap_storage(c10::Storage storage, const at::Tensor& like);
 
 int64_t current_stream_id(c10::DeviceIndex d);
 
@@ -52,65 +55,6 @@ int64_t current_stream_id(c10::DeviceIndex d);
 // uses a second stream, so single-stream programs aggregate into one record per op shape.
 int64_t timeline_epoch(c10::DeviceIndex d, int64_t stream);
 void timeline_barrier(c10::DeviceIndex d);
-
-// The cost model's op record and the once-per-op warning for dtypes Trainium lacks.
-void record_op(const char* name, c10::DeviceIndex d, c10::ScalarType dtype,
-               c10::ArrayRef<at::Tensor> shape_tensors, int64_t bytes_in, int64_t bytes_out);
-void warn_if_unportable(const c10::OperatorHandle& op, c10::ScalarType dtype);
-// A fused pointwise kernel: n_ops ops over numel elements, one HBM round trip.
-void record_fused(c10::DeviceIndex d, c10::ScalarType dtype, int64_t numel, int64_t n_ops,
-                  int64_t bytes_in, int64_t bytes_out);
-
-// Adaptive Eager Execution (fusion.cpp): pointwise ops, last-dim reductions and last-dim
-// concatenations wait in a per-device window and run as one chunked kernel, bit-identical
-// to eager.
-namespace fusion {
-struct Op {
-  std::optional<c10::OperatorHandle> kernel;  // the out= overload, or the in-place op
-  std::function<void()> run;          // the op alone, when the window holds only it
-  std::vector<c10::IValue> args;      // device tensors stay device tensors here
-  std::vector<at::Tensor> outs;       // the fresh output (out= ops)
-  bool use_out = false;
-  int self = -1;                      // the argument an in-place op writes
-  int64_t numel = 0;
-  std::vector<int64_t> shape;         // iteration shape: the output's, a reduction's input's
-  // pure: every operand contiguous and of `shape` (chunks of the flat range are independent).
-  // row: operands broadcast to `shape`, or it reduces or concatenates along the last dim
-  // (blocks of whole rows are independent). exact: each element's value does not depend on
-  // which of ATen's vector or scalar loops computes it; split_free: nor do its bits where NaNs
-  // are involved (which NaN a result is).
-  bool pure = false, row = false, exact = false, split_free = false;
-  // A `_foreach_` op: one pure op per list index (then `shape` holds their element counts).
-  std::vector<Op> parts;
-  const char* name = nullptr;
-  c10::ScalarType dtype = c10::kFloat;
-  std::vector<at::Tensor> shape_tensors;  // for the cost record
-  int64_t bytes_in = 0, bytes_out = 0;
-};
-struct Stats {
-  int64_t ops, kernels, fused_kernels, fused_ops, one_pass_ops;
-};
-bool enabled();
-void set_enabled(bool on);
-void count_launch();  // a launch that bypasses the window: one op, one kernel
-void append(c10::DeviceIndex d, int64_t stream, Op op);
-void flush(c10::DeviceIndex d);
-void flush_all();
-bool holding(c10::DeviceIndex d);  // ops are waiting in the device's window
-// Can fp32 exp run in one-pass runs (fused_exact.cpp), bit for bit as ATen's kernel computes it?
-bool exp_joins_runs();
-Stats stats(bool reset);
-}  // namespace fusion
-
-namespace launch {
-// Queues the op on `stack` to run asynchronously; false: it must run now.
-// A signature seen for the first time fills `learning`; the caller runs the op now and then
-// calls confirm() with the results on the stack.
-bool try_launch(const c10::OperatorHandle& op, std::vector<c10::IValue>* stack,
-                std::shared_ptr<void>* learning);
-void confirm(std::shared_ptr<void>& learning, const c10::OperatorHandle& op,
-             const std::vector<c10::IValue>& stack);
-}  // namespace launch
 
 // The device's work queues (queue.cpp): launched work runs in order on the device's executor
 // thread; host reads wait for it.
@@ -126,6 +70,12 @@ void set_blocking(bool on);
 void enter_sync();  // host code reading device memory directly (compiled graphs, NKI)
 void exit_sync();
 void set_site_hooks(Site (*capture)(), std::string (*describe)(const Site&));
+// The runtime knows nothing of the Adaptive Eager window above it (fusion/): the window
+// registers how to close it, and the runtime closes it before any work or wait that must see
+// the window's results (a launch, a synchronization, the allocator reusing memory).
+void set_window_closer(void (*flush)(c10::DeviceIndex), void (*flush_all)());
+void close_window(c10::DeviceIndex d);
+void close_all_windows();
 // launch() first closes the device's fusion window; launch_now() is the window's own.
 // bytes: the memory the work reads and writes. A host waiting for the device spins while
 // small work runs and sleeps while large work runs (spinning would take a core from its

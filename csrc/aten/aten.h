@@ -1,0 +1,29 @@
+// The ATen side: the kernels PyTorch cannot derive for a new device, the boxed fallback, the
+// asynchronous launch path and autocast. Built on the runtime and the fusion window.
+#pragma once
+
+#include "../fusion/fusion.h"
+#include "../runtime/runtime.h"
+
+#include <torch/library.h>
+
+namespace neuron {
+
+namespace launch {
+// Queues the op on `stack` to run asynchronously; false: it must run now.
+// A signature seen for the first time fills `learning`; the caller runs the op now and then
+// calls confirm() with the results on the stack.
+bool try_launch(const c10::OperatorHandle& op, std::vector<c10::IValue>* stack,
+                std::shared_ptr<void>* learning);
+void confirm(std::shared_ptr<void>& learning, const c10::OperatorHandle& op,
+             const std::vector<c10::IValue>& stack);
+}  // namespace launch
+
+// The device an op's optional device argument names (the current one if none), checked.
+c10::DeviceIndex resolve_device(c10::optional<c10::Device> device);
+// Route ops with both a CPU kernel and a composite to the CPU kernel (fallback.cpp).
+int route_composites_to_cpu();
+// Ops that had to wait for the device although asynchronous launch was on, by name.
+std::vector<std::pair<std::string, int64_t>> sync_op_counts(bool reset);
+
+}  // namespace neuron

@@ -1,0 +1,458 @@
+// The boxed fallback: every op without a neuron kernel runs its CPU kernel on zero-copy
+// aliases of device memory (or is queued by the launch path), and its outputs are adopted as
+// device memory. Also routes ops that have both a CPU kernel and a composite to the CPU one.
+#include "aten.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/view_native.h>
+#include <ATen/native/transformers/attention.h>
+#include <ATen/ops/_fused_sdp_choice_native.h>
+#include <ATen/SparseCsrTensorImpl.h>
+#include <ATen/SparseCsrTensorUtils.h>
+#include <ATen/native/SparseTensorUtils.h>
+#include <ATen/SparseTensorImpl.h>
+#include <ATen/ops/_sparse_compressed_tensor_unsafe.h>
+#include <ATen/ops/_sparse_coo_tensor_with_dims_and_tensors.h>
+#include <ATen/ops/_sparse_coo_tensor_with_dims_and_tensors_native.h>
+#include <ATen/ops/_sparse_coo_tensor_with_dims_native.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <mutex>
+#include <set>
+#include <unordered_map>
+
+namespace neuron {
+namespace {
+
+bool is_compressed(const at::Tensor& t) {
+  auto l = t.layout();
+  return l == c10::kSparseCsr || l == c10::kSparseCsc || l == c10::kSparseBsr ||
+         l == c10::kSparseBsc;
+}
+
+// Sparse tensors are dense member tensors plus metadata: rebuild them around the members'
+// aliases (to the host) or adopted outputs (to the device).
+template <typename F>
+at::Tensor rebuild_sparse(const at::Tensor& t, c10::Device device, F&& member) {
+  auto opts = t.options().device(device);
+  if (t.layout() == c10::kSparse) {
+    auto* impl = at::sparse::get_sparse_impl(t);
+    return at::_sparse_coo_tensor_with_dims_and_tensors(
+        impl->sparse_dim(), impl->dense_dim(), t.sizes(), member(impl->indices()),
+        member(impl->values()), opts, impl->coalesced());
+  }
+  auto* impl = at::sparse_csr::get_sparse_csr_impl(t);
+  return at::_sparse_compressed_tensor_unsafe(member(impl->compressed_indices()),
+                                              member(impl->plain_indices()),
+                                              member(impl->values()), t.sizes(), opts);
+}
+
+struct Context;
+// Host alias storage -> the device storage it stands for.
+using StorageMap = c10::SmallVector<std::pair<const c10::StorageImpl*, c10::Storage>, 8>;
+// An in-place sparse kernel may have replaced the members of the host alias.
+void sync_sparse(const at::Tensor& dev, const at::Tensor& host, Context& ctx, StorageMap& fresh);
+
+bool is_device_tensor(const c10::IValue& v) {
+  return v.isTensor() && v.toTensor().defined() && v.toTensor().device().type() == kDevice;
+}
+
+bool is_generator_arg(const c10::Argument& a) {
+  auto opt = a.type()->castRaw<c10::OptionalType>();
+  return opt && opt->getElementType()->kind() == c10::TypeKind::GeneratorType;
+}
+
+// A generator's whole state: CPU's Mersenne Twister plus its cached normal samples.
+void copy_generator_state(const at::Generator& from, const at::Generator& to) {
+  auto* src = from.get<at::CPUGeneratorImpl>();
+  auto* dst = to.get<at::CPUGeneratorImpl>();
+  dst->set_engine(src->engine());
+  dst->set_next_float_normal_sample(src->next_float_normal_sample());
+  dst->set_next_double_normal_sample(src->next_double_normal_sample());
+}
+
+struct Context {
+  c10::DeviceIndex device = -1;
+  std::string cpu_arg;          // name of a CPU tensor argument, for the mixed-device error
+  c10::DeviceIndex other = -1;  // a second neuron device, for the mixed-device error
+  Signature sig;
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  int64_t bytes_in = 0;
+  // Inputs' alias storages, so outputs that alias an input map back to device memory.
+  StorageMap storages;
+  c10::SmallVector<std::pair<at::Tensor, at::Tensor>, 4> mutated;  // (device, alias)
+
+  bool sparse = false;
+  std::vector<const void*> reads, writes;  // for the stream checker
+
+  at::Tensor to_host(const at::Tensor& t, bool mutable_arg) {
+    auto d = t.device().index();
+    if (device == -1) device = d;
+    else if (d != device) other = d;
+    if (t.layout() != c10::kStrided) {
+      sparse = true;
+      at::Tensor a = rebuild_sparse(t, c10::Device(c10::kCPU),
+                                    [this](const at::Tensor& m) { return to_host(m, false); });
+      if (mutable_arg) mutated.emplace_back(t, a);
+      return a;
+    }
+    at::Tensor a = cpu_alias(t);
+    if (check::enabled()) (mutable_arg ? writes : reads).push_back(t.storage().data());
+    storages.emplace_back(a.storage().unsafeGetStorageImpl(), t.storage());
+    if (mutable_arg) mutated.emplace_back(t, a);
+    if (dtype == c10::ScalarType::Undefined) dtype = t.scalar_type();
+    sig.add(t);
+    bytes_in += nbytes(t);
+    return a;
+  }
+};
+
+// An `out=` kernel may have resized its output: give the device tensor the new shape, and
+// take over the kernel's new buffer if it had to grow.
+void sync_resized(const at::Tensor& dev, const at::Tensor& host, Context& ctx, StorageMap& fresh) {
+  if (dev.layout() != c10::kStrided) return sync_sparse(dev, host, ctx, fresh);
+  auto* impl = dev.unsafeGetTensorImpl();
+  if (host.storage().data() != dev.storage().data()) {
+    auto* st = dev.storage().unsafeGetStorageImpl();
+    size_t n = host.storage().nbytes();
+    st->set_data_ptr_noswap(adopt(host.storage(), ctx.device));
+    st->set_nbytes(n);
+  }
+  if (host.sizes() != dev.sizes() || host.strides() != dev.strides() ||
+      host.storage_offset() != dev.storage_offset()) {
+    impl->set_sizes_and_strides(host.sizes(), host.strides(), host.storage_offset());
+  }
+}
+
+at::Tensor to_device(const at::Tensor& t, Context& ctx, StorageMap& fresh) {
+  if (!t.defined() || t.device().type() != c10::kCPU) return t;
+  if (t.layout() != c10::kStrided) {
+    TORCH_CHECK(t.layout() == c10::kSparse || is_compressed(t), "neuron: a kernel produced a ",
+                t.layout(), " tensor, a layout the neuron device does not support");
+    return rebuild_sparse(t, c10::Device(kDevice, ctx.device),
+                          [&](const at::Tensor& m) { return to_device(m, ctx, fresh); });
+  }
+  const auto* key = t.storage().unsafeGetStorageImpl();
+  for (auto& [k, st] : ctx.storages) {
+    if (k == key) return wrap_storage(st, t);
+  }
+  for (auto& [k, st] : fresh) {
+    if (k == key) return wrap_storage(st, t);
+  }
+  auto out = adopt_tensor(t, ctx.device);
+  fresh.emplace_back(key, out.storage());
+  return out;
+}
+
+void sync_sparse(const at::Tensor& dev, const at::Tensor& host, Context& ctx, StorageMap& fresh) {
+  // Members the kernel kept are aliases of the device members: to_device maps them back
+  // through ctx; new members are adopted.
+  auto back = [&](const at::Tensor& m) { return to_device(m, ctx, fresh); };
+  if (dev.layout() == c10::kSparse) {
+    auto* h = at::sparse::get_sparse_impl(host);
+    auto* impl = at::sparse::get_sparse_impl(dev);
+    impl->resize_(h->sparse_dim(), h->dense_dim(), host.sizes());
+    impl->set_indices_and_values_unsafe(back(h->indices()), back(h->values()));
+    impl->set_coalesced(h->coalesced());
+  } else {
+    auto* h = at::sparse_csr::get_sparse_csr_impl(host);
+    auto* impl = at::sparse_csr::get_sparse_csr_impl(dev);
+    impl->set_member_tensors(back(h->compressed_indices()), back(h->plain_indices()),
+                             back(h->values()), host.sizes());
+  }
+}
+
+void run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+
+// Ops that had to wait for the device although asynchronous launch was on, by name: what
+// `torch_neuronx.queue_stats()` reports to explain lost overlap.
+std::mutex g_sync_mu;
+std::unordered_map<const char*, int64_t> g_sync_ops;
+void count_sync(const char* name) {
+  std::lock_guard<std::mutex> g(g_sync_mu);
+  ++g_sync_ops[name];
+}
+
+void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const auto& rets = schema.returns();
+  const size_t n = schema.arguments().size();
+
+  // View ops: CPU's kernel only rewrites metadata and keeps the input's storage and keys.
+  for (const auto& r : rets) {
+    if (r.alias_info() && !r.alias_info()->isWrite()) {
+      auto key = c10::DispatchKey::CPU;
+      for (size_t i = stack->size() - n; i < stack->size(); ++i) {
+        const auto& v = (*stack)[i];
+        if (v.isTensor() && v.toTensor().defined() && v.toTensor().layout() != c10::kStrided) {
+          key = v.toTensor().layout() == c10::kSparse ? c10::DispatchKey::SparseCPU
+                                                      : c10::DispatchKey::SparseCsrCPU;
+        }
+      }
+      op.redispatchBoxed(c10::DispatchKeySet(key), stack);
+      return;
+    }
+  }
+  // In-place view ops (t_, squeeze_) change metadata only: no need to wait for the device.
+  std::shared_ptr<void> learning;
+  if (!op.hasTag(at::Tag::inplace_view)) {
+    if (queue::asynchronous() && !check::enabled()) {
+      if (launch::try_launch(op, stack, &learning)) return;
+      if (!learning) count_sync(schema.operator_name().name.c_str());
+    }
+    queue::synchronize_all();
+  }
+  run_now(op, stack);
+  if (learning) launch::confirm(learning, op, *stack);
+}
+
+void run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const auto& args = schema.arguments();
+  const auto& rets = schema.returns();
+  const size_t n = args.size();
+  const size_t base = stack->size() - n;
+  Context ctx;
+  c10::SmallVector<std::pair<size_t, c10::IValue>, 2> originals;  // mutable args as passed
+  int gen_slot = -1;
+  at::Generator gen_dev;
+
+  for (size_t i = 0; i < n; ++i) {
+    c10::IValue& iv = (*stack)[base + i];
+    const auto* alias = args[i].alias_info();
+    bool mut = alias && alias->isWrite();
+    if (iv.isTensor()) {
+      const at::Tensor& t = iv.toTensor();
+      if (!t.defined()) continue;
+      if (t.device().type() == kDevice) {
+        if (mut) originals.emplace_back(i, iv);
+        iv = ctx.to_host(t, mut);
+      } else if (t.device().is_cpu() && t.dim() > 0 && ctx.cpu_arg.empty() &&
+                 !(args[i].name() == "scalars" && schema.name().rfind("aten::_foreach_", 0) == 0)) {
+        // (A `_foreach_` op's per-tensor `scalars` live on the CPU, as on CUDA.)
+        ctx.cpu_arg = args[i].name();
+      }
+    } else if (iv.isList()) {
+      auto list = iv.toList();
+      bool any = false;
+      for (size_t k = 0; k < list.size(); ++k) {
+        if (is_device_tensor(list.get(k))) { any = true; break; }
+      }
+      if (!any) continue;
+      if (mut) originals.emplace_back(i, iv);
+      auto copy = list.copy();
+      for (size_t k = 0; k < copy.size(); ++k) {
+        c10::IValue e = copy.get(k);
+        if (is_device_tensor(e)) copy.set(k, ctx.to_host(e.toTensor(), mut));
+      }
+      iv = std::move(copy);
+    } else if (iv.isDevice()) {
+      auto d = iv.toDevice();
+      if (d.type() == kDevice) {
+        auto idx = resolve_device(d);
+        if (ctx.device == -1) ctx.device = idx;
+        iv = c10::Device(c10::kCPU);
+      }
+    } else if (iv.isGenerator()) {
+      auto g = iv.toGenerator();
+      if (g.device().type() == kDevice) {
+        gen_slot = static_cast<int>(i);
+        gen_dev = g;
+      }
+    } else if (iv.isNone() && is_generator_arg(args[i])) {
+      gen_slot = static_cast<int>(i);
+    }
+  }
+
+  if (ctx.other != -1) {
+    TORCH_CHECK(false, "Expected all tensors to be on the same device, but found at least two "
+                "devices, neuron:", int(ctx.device), " and neuron:", int(ctx.other),
+                "! (when checking arguments of ", schema.operator_name(), ")");
+  }
+  if (!ctx.cpu_arg.empty() && ctx.device != -1) {
+    TORCH_CHECK(false, "Expected all tensors to be on the same device, but found at least two "
+                "devices, neuron:", int(ctx.device), " and cpu! (when checking argument '",
+                ctx.cpu_arg, "' of ", schema.operator_name(), ")");
+  }
+  if (ctx.device == -1) ctx.device = current_device();
+
+  // Random ops draw from the device's generator through a CPU generator carrying its state.
+  std::unique_lock<std::mutex> gen_lock;
+  at::Generator gen_host;
+  if (gen_slot >= 0) {
+    if (!gen_dev.defined()) gen_dev = default_generator(ctx.device);
+    gen_lock = std::unique_lock<std::mutex>(gen_dev.mutex());
+    gen_host = at::make_generator<at::CPUGeneratorImpl>();
+    copy_generator_state(gen_dev, gen_host);
+    (*stack)[base + gen_slot] = c10::IValue(gen_host);
+  }
+
+  try {
+    if (ctx.sparse) {
+      // Sparse host aliases carry their own dispatch keys (SparseCPU, SparseCsrCPU).
+      c10::impl::ExcludeDispatchKeyGuard no_autograd(c10::autograd_dispatch_keyset_with_ADInplaceOrView);
+      op.callBoxed(stack);
+    } else {
+      op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+    }
+  } catch (c10::NotImplementedError& e) {
+    TORCH_CHECK_NOT_IMPLEMENTED(false, "The operator '", schema.operator_name(),
+                                "' is not available on the neuron device: the virtual "
+                                "NeuronCore runs CPU kernels and CPU has none for these "
+                                "arguments. ", e.what_without_backtrace());
+  }
+
+  if (gen_slot >= 0) {
+    copy_generator_state(gen_host, gen_dev);
+    gen_lock.unlock();
+  }
+
+  StorageMap fresh;
+  for (auto& [dev, host] : ctx.mutated) sync_resized(dev, host, ctx, fresh);
+
+  const size_t r0 = stack->size() - rets.size();
+  int64_t bytes_out = 0;
+  c10::ScalarType out_dtype = c10::ScalarType::Undefined;
+  for (size_t j = 0; j < rets.size(); ++j) {
+    c10::IValue& iv = (*stack)[r0 + j];
+    const auto* alias = rets[j].alias_info();
+    if (alias && alias->isWrite()) {
+      for (auto& [i, orig] : originals) {
+        if (args[i].alias_info()->beforeSets() == alias->beforeSets()) {
+          iv = orig;
+          break;
+        }
+      }
+      if (iv.isTensor()) bytes_out += nbytes(iv.toTensor());
+      continue;
+    }
+    if (iv.isTensor()) {
+      const auto& t = iv.toTensor();
+      if (t.defined() && out_dtype == c10::ScalarType::Undefined) out_dtype = t.scalar_type();
+      bytes_out += nbytes(t);
+      iv = to_device(t, ctx, fresh);
+    } else if (iv.isTensorList()) {
+      auto list = iv.toTensorList();
+      c10::List<at::Tensor> out;
+      out.reserve(list.size());
+      for (size_t k = 0; k < list.size(); ++k) {
+        at::Tensor t = list.get(k);
+        bytes_out += nbytes(t);
+        out.push_back(to_device(t, ctx, fresh));
+      }
+      iv = std::move(out);
+    }
+  }
+
+  if (check::enabled()) {
+    for (size_t j = 0; j < rets.size(); ++j) {
+      const c10::IValue& iv = (*stack)[r0 + j];
+      if (iv.isTensor() && iv.toTensor().defined() && iv.toTensor().device().type() == kDevice &&
+          iv.toTensor().layout() == c10::kStrided) {
+        ctx.writes.push_back(iv.toTensor().storage().data());
+      }
+    }
+    const char* name = schema.operator_name().name.c_str();
+    check::on_op(name, ctx.device, ctx.reads, ctx.writes);
+    if (schema.operator_name().name == "aten::_local_scalar_dense") {
+      check::on_stream_sync(ctx.device, current_stream_id(ctx.device));
+    }
+  }
+  c10::ScalarType dtype = ctx.dtype != c10::ScalarType::Undefined ? ctx.dtype : out_dtype;
+  if (dtype != c10::ScalarType::Undefined) warn_if_unportable(op, dtype);
+  commit(ctx.sig, schema.operator_name().name.c_str(), ctx.device,
+         dtype == c10::ScalarType::Undefined ? c10::kFloat : dtype, ctx.bytes_in, bytes_out);
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, int64_t>> sync_op_counts(bool reset) {
+  std::lock_guard<std::mutex> g(g_sync_mu);
+  std::vector<std::pair<std::string, int64_t>> out;
+  for (auto& [k, v] : g_sync_ops) out.emplace_back(k, v);
+  if (reset) g_sync_ops.clear();
+  return out;
+}
+
+// Ops with a CPU kernel and also a composite one: the composite would win on neuron and may
+// round differently (e.g. native_layer_norm, addr, silu_backward) or take a slower out= path
+// (structured ops). Route them to CPU's own kernel through the fallback instead.
+std::vector<std::unique_ptr<torch::Library>> g_cpu_routes;
+
+bool handled_here(const std::string& name) {
+  static const std::set<std::string> own = {
+      "aten::empty", "aten::empty_strided", "aten::_copy_from", "aten::_copy_from_and_resize",
+      "aten::resize_", "aten::set_", "aten::view", "aten::as_strided", "aten::_reshape_alias",
+      "aten::record_stream", "aten::copy_", "aten::_to_copy", "aten::to", "aten::clone",
+      "aten::lift", "aten::lift_fresh", "aten::_local_scalar_dense"};
+  return own.count(name) > 0;
+}
+
+int route_composites_to_cpu() {
+  if (!g_cpu_routes.empty()) return 0;
+  auto& disp = c10::Dispatcher::singleton();
+  using K = c10::DispatchKey;
+  // (CPU key, neuron key): dense, sparse COO and sparse compressed.
+  const std::array<std::pair<K, K>, 3> pairs = {{{K::CPU, K::PrivateUse1},
+                                                 {K::SparseCPU, K::SparsePrivateUse1},
+                                                 {K::SparseCsrCPU, K::SparseCsrPrivateUse1}}};
+  g_cpu_routes.clear();
+  for (auto [cpu_key, key] : pairs) {
+    g_cpu_routes.push_back(std::make_unique<torch::Library>(torch::Library::IMPL, "aten", key,
+                                                            __FILE__, __LINE__));
+  }
+  int n = 0;
+  for (const auto& name : disp.getAllOpNames()) {
+    if (name.name.rfind("aten::", 0) != 0) continue;
+    auto op = disp.findOp(name);
+    if (!op) continue;
+    bool explicit_composite = op->hasKernelForDispatchKey(K::CompositeExplicitAutograd) ||
+                              op->hasKernelForDispatchKey(K::CompositeExplicitAutogradNonFunctional);
+    // An implicit composite also supplies autograd; only ops with their own derivative
+    // formula keep their gradient when a backend kernel is registered.
+    bool implicit_with_grad = op->hasKernelForDispatchKey(K::CompositeImplicitAutograd) &&
+                              op->hasKernelForDispatchKey(K::Autograd);
+    if (!explicit_composite && !implicit_with_grad) continue;
+    bool is_view = false;
+    for (const auto& r : op->schema().returns()) {
+      if (r.alias_info() && !r.alias_info()->isWrite()) is_view = true;
+    }
+    std::string full = name.name.substr(6);
+    if (!name.overload_name.empty()) full += "." + name.overload_name;
+    // `_foreach_` ops: CPU runs them through their composite, one op per list index; on
+    // neuron they reach the launcher whole, so Adaptive Eager can fuse a chain of them.
+    bool foreach = name.name.rfind("aten::_foreach_", 0) == 0 && explicit_composite;
+    for (size_t i = 0; i < pairs.size(); ++i) {
+      auto [cpu_key, key] = pairs[i];
+      bool has_cpu = op->hasKernelForDispatchKey(cpu_key) || (foreach && i == 0);
+      if (!has_cpu || op->hasKernelForDispatchKey(key)) continue;
+      // Dense views and our own kernels stay as they are; sparse views read the member
+      // tensors through the sparse CPU kernel (see the fallback).
+      if (key == K::PrivateUse1 && (is_view || handled_here(name.name))) continue;
+      g_cpu_routes[i]->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
+      ++n;
+    }
+  }
+  return n;
+}
+
+TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
+}
+
+TORCH_LIBRARY_IMPL(_, SparsePrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
+}
+
+TORCH_LIBRARY_IMPL(_, SparseCsrPrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
+}
+
+}  // namespace neuron

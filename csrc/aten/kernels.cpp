@@ -1,0 +1,304 @@
+// The kernels PyTorch cannot derive for a new device: allocation, copies, resize and set_,
+// metadata, the convolution and SDPA-choice entry points. Every other op goes through the
+// boxed fallback (fallback.cpp).
+#include "aten.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/view_native.h>
+#include <ATen/native/transformers/attention.h>
+#include <ATen/ops/_fused_sdp_choice_native.h>
+#include <ATen/SparseCsrTensorImpl.h>
+#include <ATen/SparseCsrTensorUtils.h>
+#include <ATen/native/SparseTensorUtils.h>
+#include <ATen/SparseTensorImpl.h>
+#include <ATen/ops/_sparse_compressed_tensor_unsafe.h>
+#include <ATen/ops/_sparse_coo_tensor_with_dims_and_tensors.h>
+#include <ATen/ops/_sparse_coo_tensor_with_dims_and_tensors_native.h>
+#include <ATen/ops/_sparse_coo_tensor_with_dims_native.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <mutex>
+#include <set>
+#include <unordered_map>
+
+namespace neuron {
+
+namespace {
+
+c10::DeviceIndex resolve(c10::optional<c10::Device> device) {
+  c10::DeviceIndex d = (device && device->has_index()) ? device->index() : current_device();
+  check_device(d);
+  return d;
+}
+
+struct CurrentDevice {
+  c10::DeviceIndex prev;
+  explicit CurrentDevice(c10::DeviceIndex d) : prev(current_device()) {
+    if (d != prev) set_current_device(d);
+  }
+  ~CurrentDevice() {
+    if (current_device() != prev) set_current_device(prev);
+  }
+};
+
+at::Tensor empty_memory_format(c10::IntArrayRef size, c10::optional<c10::ScalarType> dtype,
+                               c10::optional<c10::Layout> layout,
+                               c10::optional<c10::Device> device, c10::optional<bool> pin_memory,
+                               c10::optional<c10::MemoryFormat> memory_format) {
+  TORCH_CHECK(!layout || *layout == c10::kStrided, "neuron: empty() does not support layout ",
+              *layout, " on the neuron device");
+  (void)pin_memory;
+  auto d = resolve(device);
+  CurrentDevice g(d);
+  return at::detail::empty_generic(size, allocator(),
+                                   c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                   c10::dtype_or_default(dtype), memory_format);
+}
+
+at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
+                         c10::optional<c10::ScalarType> dtype, c10::optional<c10::Layout> layout,
+                         c10::optional<c10::Device> device, c10::optional<bool> pin_memory) {
+  TORCH_CHECK(!layout || *layout == c10::kStrided,
+              "neuron: empty_strided() does not support layout ", *layout);
+  (void)pin_memory;
+  auto d = resolve(device);
+  CurrentDevice g(d);
+  return at::detail::empty_strided_generic(size, stride, allocator(),
+                                           c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                           c10::dtype_or_default(dtype));
+}
+
+at::Tensor host_side(const at::Tensor& t, const char* role) {
+  if (t.device().type() == kDevice) return cpu_alias(t);
+  TORCH_CHECK(t.device().is_cpu(), "neuron: copy_ between ", t.device(),
+              " and a neuron tensor is not supported (", role, " is on ", t.device(), ")");
+  return t;
+}
+
+// Copies queue like kernels, except copies to the host (a host read: wait for the device)
+// and large host-to-device copies (CUDA also copies pageable memory synchronously). A small
+// host source is snapshotted, so the caller may reuse its buffer at once.
+constexpr int64_t kSnapshotBytes = 1 << 20;
+
+at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  (void)non_blocking;
+  bool from_dev = self.device().type() == kDevice;
+  bool to_dev = dst.device().type() == kDevice;
+  at::Tensor src_h = host_side(self, "source");
+  at::Tensor dst_h = host_side(dst, "destination");
+  auto d = to_dev ? dst.device().index() : self.device().index();
+  bool queued = to_dev && queue::asynchronous() && !check::enabled() &&
+                (from_dev ? self.device().index() == d : nbytes(self) <= kSnapshotBytes) && dst_h.layout() == c10::kStrided &&
+                src_h.layout() == c10::kStrided;
+  if (queued) {
+    if (!from_dev) src_h = src_h.clone();
+    fusion::count_launch();
+    queue::launch(d, current_stream_id(d), "aten::copy_",
+                  [dst_h, src_h]() mutable { dst_h.copy_(src_h); }, 2 * nbytes(dst_h));
+  } else {
+    if (from_dev || to_dev) queue::synchronize_all();
+    dst_h.copy_(src_h);
+  }
+  if (check::enabled()) {
+    std::vector<const void*> reads, writes;
+    if (from_dev) reads.push_back(self.storage().data());
+    if (to_dev) writes.push_back(dst.storage().data());
+    check::on_op("aten::copy_", d, reads, writes);
+    // A copy to the host waits for the stream that produced the data.
+    if (!to_dev) check::on_stream_sync(d, current_stream_id(d));
+  }
+  Signature s;
+  s.add(dst);
+  const char* kind = from_dev ? (to_dev ? "neuron::copy_d2d" : "neuron::copy_d2h")
+                              : "neuron::copy_h2d";
+  commit(s, kind, d, dst.scalar_type(), nbytes(self), nbytes(dst));
+  return dst;
+}
+
+void resize_bytes(const at::Tensor& self, size_t needed) {
+  auto* st = self.storage().unsafeGetStorageImpl();
+  if (needed <= st->nbytes()) return;
+  TORCH_CHECK(st->resizable(), "neuron: trying to resize storage that is not resizable");
+  at::detail::getPrivateUse1Hooks().resizePrivateUse1Bytes(self.storage(), needed);
+}
+
+const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
+                          c10::optional<c10::MemoryFormat> memory_format) {
+  auto* impl = self.unsafeGetTensorImpl();
+  impl->set_sizes_contiguous(size);
+  if (memory_format && *memory_format != c10::MemoryFormat::Preserve) {
+    impl->empty_tensor_restride(*memory_format);
+  }
+  size_t needed = at::detail::computeStorageNbytes(size, impl->strides(), self.element_size(),
+                                                   impl->storage_offset());
+  resize_bytes(self, needed);
+  return self;
+}
+
+at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
+  resize_(dst, self.sizes(), c10::nullopt);
+  return copy_from(self, dst, false);
+}
+
+at::Tensor& set_storage_offset(at::Tensor& self, c10::Storage source, int64_t offset,
+                               c10::IntArrayRef size, c10::IntArrayRef stride) {
+  auto* impl = self.unsafeGetTensorImpl();
+  impl->set_storage_keep_dtype(std::move(source));
+  c10::optional<c10::IntArrayRef> st = stride.empty() ? c10::nullopt
+                                                      : c10::optional<c10::IntArrayRef>(stride);
+  impl->set_sizes_and_strides(size, st ? *st : c10::IntArrayRef(c10::contiguous_strides(size)),
+                              offset);
+  size_t needed = at::detail::computeStorageNbytes(size, impl->strides(), self.element_size(),
+                                                   offset);
+  resize_bytes(self, needed);
+  return self;
+}
+
+at::Tensor& set_storage(at::Tensor& self, c10::Storage source) {
+  int64_t n = static_cast<int64_t>(source.nbytes() / self.element_size());
+  return set_storage_offset(self, std::move(source), 0, {n}, {});
+}
+
+at::Tensor& set_tensor(at::Tensor& self, const at::Tensor& source) {
+  if (!self.is_same(source)) {
+    set_storage_offset(self, source.storage(), source.storage_offset(), source.sizes(),
+                       source.strides());
+  }
+  return self;
+}
+
+at::Tensor& set_empty(at::Tensor& self) {
+  c10::Storage st(c10::Storage::use_byte_size_t(), 0,
+                  allocate_on(0, self.device().index()), allocator(), true);
+  return set_storage_offset(self, std::move(st), 0, {0}, {});
+}
+
+// `module.to("neuron")` swaps a parameter's data in place (keeping tied weights tied, as
+// on CUDA) only when CPU and device tensors may share a TensorImpl type.
+bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& from) {
+  auto dense_here = [](const at::Tensor& t) {
+    return t.layout() == c10::kStrided && !t.is_quantized() && !t.is_nested() &&
+           (t.device().is_cpu() || t.device().type() == kDevice);
+  };
+  return self.unsafeGetTensorImpl()->has_compatible_shallow_copy_type(from.key_set()) ||
+         (dense_here(self) && dense_here(from));
+}
+
+void record_stream(at::Tensor& self, c10::Stream stream) {
+  allocator()->recordStream(self.storage().data_ptr(), stream);
+  if (check::enabled()) {
+    check::on_record_stream(self.storage().data(), stream.device_index(), stream.id());
+  }
+}
+
+c10::optional<at::Tensor> alias_opt(const c10::optional<at::Tensor>& t) {
+  if (!t || !t->defined()) return t;
+  return cpu_alias(*t);
+}
+
+at::Tensor adopt_opt(const at::Tensor& t, c10::DeviceIndex d) {
+  return t.defined() ? adopt_tensor(t, d) : t;
+}
+
+at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& weight,
+                                    const c10::optional<at::Tensor>& bias, c10::IntArrayRef stride,
+                                    c10::IntArrayRef padding, c10::IntArrayRef dilation,
+                                    bool transposed, c10::IntArrayRef output_padding,
+                                    int64_t groups) {
+  queue::synchronize_all();
+  auto out = at::convolution(cpu_alias(input), cpu_alias(weight), alias_opt(bias), stride,
+                             padding, dilation, transposed, output_padding, groups);
+  Signature s;
+  s.add(input);
+  s.add(weight);
+  s.add(out);
+  commit(s, "aten::convolution", input.device().index(), input.scalar_type(),
+         nbytes(input) + nbytes(weight), nbytes(out));
+  return adopt_tensor(out, input.device().index());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
+    c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation, bool transposed,
+    c10::IntArrayRef output_padding, int64_t groups, std::array<bool, 3> output_mask) {
+  queue::synchronize_all();
+  std::vector<int64_t> bias_sizes{transposed ? weight.size(1) * groups : weight.size(0)};
+  auto [gi, gw, gb] = at::convolution_backward(
+      cpu_alias(grad_output), cpu_alias(input), cpu_alias(weight), bias_sizes, stride, padding,
+      dilation, transposed, output_padding, groups, output_mask);
+  auto d = input.device().index();
+  Signature s;
+  s.add(grad_output);
+  s.add(input);
+  s.add(weight);
+  commit(s, "aten::convolution_backward", d, input.scalar_type(),
+         nbytes(grad_output) + nbytes(input) + nbytes(weight), nbytes(gi) + nbytes(gw));
+  return {adopt_opt(gi, d), adopt_opt(gw, d), adopt_opt(gb, d)};
+}
+
+// scaled_dot_product_attention picks its kernel through a per-device stub; CPU's choice
+// (flash attention for CPU, or math) keeps results identical to CPU.
+int64_t fused_sdp_choice(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const c10::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
+                         c10::optional<double> scale, bool enable_gqa) {
+  // CPU's selection reads only metadata; called directly so fake tensors (torch.compile)
+  // work too.
+  return at::native::_fused_sdp_choice_cpp(q, k, v, mask, dropout_p, is_causal, scale,
+                                           enable_gqa);
+}
+
+}  // namespace
+
+c10::DeviceIndex resolve_device(c10::optional<c10::Device> device) { return resolve(device); }
+
+}  // namespace neuron
+
+namespace at::native {
+REGISTER_PRIVATEUSE1_DISPATCH(_fused_sdp_choice_stub, &neuron::fused_sdp_choice)
+}  // namespace at::native
+
+namespace neuron {
+
+TORCH_LIBRARY_IMPL(aten, SparsePrivateUse1, m) {
+  m.impl("_sparse_coo_tensor_with_dims_and_tensors",
+         TORCH_FN(at::native::new_with_dims_and_tensor_sparse_symint));
+  m.impl("_sparse_coo_tensor_with_dims", TORCH_FN(at::native::new_with_dims_sparse));
+}
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("empty.memory_format", TORCH_FN(empty_memory_format));
+  m.impl("empty_strided", TORCH_FN(empty_strided));
+  m.impl("_copy_from", TORCH_FN(copy_from));
+  m.impl("_copy_from_and_resize", TORCH_FN(copy_from_and_resize));
+  m.impl("resize_", TORCH_FN(resize_));
+  m.impl("set_.source_Storage", TORCH_FN(set_storage));
+  m.impl("set_.source_Storage_storage_offset", TORCH_FN(set_storage_offset));
+  m.impl("set_.source_Tensor", TORCH_FN(set_tensor));
+  m.impl("set_", TORCH_FN(set_empty));
+  m.impl("view", TORCH_FN(at::native::view));
+  m.impl("as_strided", TORCH_FN(at::native::as_strided_tensorimpl));
+  m.impl("_reshape_alias", TORCH_FN(at::native::_reshape_alias));
+  m.impl("record_stream", TORCH_FN(record_stream));
+  m.impl("_has_compatible_shallow_copy_type", TORCH_FN(has_compatible_shallow_copy_type));
+  m.impl("convolution_overrideable", TORCH_FN(convolution_overrideable));
+  m.impl("convolution_backward_overrideable", TORCH_FN(convolution_backward_overrideable));
+}
+
+// Copies honour conjugate and negative bits themselves (the CPU alias keeps them), so the
+// math-bit fallbacks must not materialise first: that would copy, and recurse.
+TORCH_LIBRARY_IMPL(aten, Conjugate, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+TORCH_LIBRARY_IMPL(aten, Negative, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+}  // namespace neuron

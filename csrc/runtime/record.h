@@ -1,0 +1,64 @@
+// The op record the cost model reads: counts and bytes per (op, device, dtype, stream,
+// timeline epoch, input shapes). Every path that runs device work (the fallback, the launch
+// path, fused windows, copies) records here; Python drains it (torch_neuronx.cost_model).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <array>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace neuron {
+
+struct RecordKey {
+  const char* name;
+  int8_t device;
+  int8_t dtype;
+  uint8_t len;
+  int64_t stream;
+  int64_t epoch;  // see timeline_epoch(): work of different epochs never overlaps
+  std::array<int64_t, 16> sig;
+  bool operator==(const RecordKey& o) const {
+    return name == o.name && device == o.device && dtype == o.dtype && len == o.len &&
+           stream == o.stream && epoch == o.epoch &&
+           std::equal(sig.begin(), sig.begin() + len, o.sig.begin());
+  }
+};
+
+// Shapes of the first few tensors, each as [ndim, sizes...].
+struct Signature {
+  RecordKey key{};
+  int tensors = 0;
+  void add(const at::Tensor& t) {
+    if (tensors == 3) return;
+    int nd = t.dim();
+    if (key.len + 1 + nd > 16) return;
+    key.sig[key.len++] = nd;
+    for (int i = 0; i < nd; ++i) key.sig[key.len++] = t.size(i);
+    ++tensors;
+  }
+};
+
+void commit(Signature& s, const char* name, c10::DeviceIndex d, c10::ScalarType dtype,
+            int64_t bytes_in, int64_t bytes_out);
+inline int64_t nbytes(const at::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; }
+
+void record_op(const char* name, c10::DeviceIndex d, c10::ScalarType dtype,
+               c10::ArrayRef<at::Tensor> shape_tensors, int64_t bytes_in, int64_t bytes_out);
+// A fused pointwise kernel: n_ops ops over numel elements, one HBM round trip.
+void record_fused(c10::DeviceIndex d, c10::ScalarType dtype, int64_t numel, int64_t n_ops,
+                  int64_t bytes_in, int64_t bytes_out);
+std::vector<std::tuple<std::string, int, int, std::vector<int64_t>, int64_t, int64_t, int64_t,
+                       int64_t, int64_t>>
+drain_records();
+
+// The once-per-op warning for dtypes Trainium lacks; quiet while tensors print (printing
+// computes in float64 internally, not the user).
+void warn_if_unportable(const c10::OperatorHandle& op, c10::ScalarType dtype);
+void set_quiet(bool on);
+bool quiet();
+
+}  // namespace neuron
