@@ -1,0 +1,84 @@
+"""Model families (examples/models) on neuron against the CPU, same process, paired runs.
+
+Per family: one fp32 training step, neuron eager / CPU eager, and with the forward compiled,
+neuron ("neuron" backend) / CPU (Inductor); plus the modelled Trainium time of a neuron step
+and the engine that bounds it. Ratios are medians over pairs (CPU step, neuron step)
+measured back to back. Run: .venv/bin/python bench/bench_models.py [--pairs N] [--eager-only]
+[--family NAME ...]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+import torch_neuronx
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "models"))
+_harness = importlib.import_module("_harness")
+
+FAMILIES = [("text_llama", "FAMILY"), ("vlm_llava", "FAMILY"), ("image_dit", "FAMILY"),
+            ("video_wan", "FAMILY"), ("ssm_mamba", "FAMILY"), ("world_rssm", "FAMILY"),
+            ("moe_mixtral", "FAMILY"), ("moe_mixtral", "GROUPED")]
+
+
+def _timed(step, device):
+    t0 = time.perf_counter()
+    step()
+    if device != "cpu":
+        torch.accelerator.synchronize()
+    return time.perf_counter() - t0
+
+
+def paired(fam, cpu_backend, dev_backend, pairs, warmup):
+    _, _, _, cpu = _harness.trainer(fam, "cpu", compile_backend=cpu_backend)
+    _, _, _, dev = _harness.trainer(fam, "neuron", compile_backend=dev_backend)
+    for _ in range(warmup):
+        cpu(), dev()
+    ratios, tc, td = [], [], []
+    for _ in range(pairs):
+        c, d = _timed(cpu, "cpu"), _timed(dev, "neuron")
+        ratios.append(d / c)
+        tc.append(c)
+        td.append(d)
+    torch_neuronx.reset_modelled_time()
+    dev()
+    torch.accelerator.synchronize()
+    t = torch_neuronx.modelled_time()
+    bound = max(t.by_engine, key=t.by_engine.get) if t.by_engine else "-"
+    return statistics.median(ratios), statistics.median(tc), statistics.median(td), t.seconds, bound
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pairs", type=int, default=7)
+    ap.add_argument("--eager-only", action="store_true")
+    ap.add_argument("--family", nargs="*", help="module names, e.g. image_dit")
+    args = ap.parse_args()
+    platform = torch_neuronx.modelled_time().platform
+    print(f"{'family':36s} {'mode':9s} {'cpu ms':>9s} {'neuron ms':>10s} {'ratio':>7s} "
+          f"{'modelled ' + platform + ' ms':>18s}  bound   target")
+    for module, attr in FAMILIES:
+        if args.family and module not in args.family:
+            continue
+        fam = getattr(importlib.import_module(module), attr)
+        modes = [("eager", None, None, 2)]
+        if not args.eager_only:
+            modes.append(("compiled", "inductor", "neuron", 3))
+        for label, cpu_b, dev_b, warm in modes:
+            try:
+                r, c, d, m, bound = paired(fam, cpu_b, dev_b, args.pairs, warm)
+            except Exception as e:  # report and go on: one family must not hide the others
+                print(f"{fam.name:36s} {label:9s} failed: {type(e).__name__}: {str(e)[:120]}")
+                continue
+            print(f"{fam.name:36s} {label:9s} {c * 1e3:9.2f} {d * 1e3:10.2f} {r:7.3f} {m * 1e3:18.3f}  "
+                  f"{bound:7s} <= 1.05", flush=True)
+
+
+if __name__ == "__main__":
+    main()
