@@ -20,7 +20,7 @@ import torch  # noqa: E402
 
 from . import _C  # noqa: F401  (registers allocator, guard, hooks, kernels)
 from . import _state
-from . import _python_kernels  # noqa: F401,E402  (dropout RNG, quantize errors)
+from . import kernels  # noqa: F401,E402  (CUDA paths CPU lacks: RNN cells, dropout RNG, dtypes)
 
 __version__ = "0.1.0"
 

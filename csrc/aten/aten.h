@@ -17,12 +17,22 @@ bool try_launch(const c10::OperatorHandle& op, std::vector<c10::IValue>* stack,
                 std::shared_ptr<void>* learning);
 void confirm(std::shared_ptr<void>& learning, const c10::OperatorHandle& op,
              const std::vector<c10::IValue>& stack);
+// The signature being learned must always run now.
+void refuse(std::shared_ptr<void>& learning);
 }  // namespace launch
 
 // The device an op's optional device argument names (the current one if none), checked.
 c10::DeviceIndex resolve_device(c10::optional<c10::Device> device);
 // Route ops with both a CPU kernel and a composite to the CPU kernel (fallback.cpp).
 int route_composites_to_cpu();
+// Where CPU has no kernel for the arguments' dtypes but CUDA has, a Python policy
+// (torch_neuronx/cuda_dtypes.py) computes CUDA's result on the host aliases. The hook gets
+// the op and its stack (arguments at the top, already host aliases); it replaces them with
+// the results and returns true, or returns false to let the CPU error stand. Only the ops
+// named with add_dtype_policy_op reach it.
+using DtypeRetry = bool (*)(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+void set_dtype_retry(DtypeRetry hook);
+bool add_dtype_policy_op(const std::string& name, const std::string& overload);
 // Ops that had to wait for the device although asynchronous launch was on, by name.
 std::vector<std::pair<std::string, int64_t>> sync_op_counts(bool reset);
 

@@ -3,6 +3,8 @@
 // device memory. Also routes ops that have both a CPU kernel and a composite to the CPU one.
 #include "aten.h"
 
+#include <unordered_set>
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/autocast_mode.h>
@@ -169,7 +171,8 @@ void sync_sparse(const at::Tensor& dev, const at::Tensor& host, Context& ctx, St
   }
 }
 
-void run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+// True when the dtype policy computed the results (CPU had no kernel for the dtypes).
+bool run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 
 // Ops that had to wait for the device although asynchronous launch was on, by name: what
 // `torch_neuronx.queue_stats()` reports to explain lost overlap.
@@ -209,11 +212,17 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     }
     queue::synchronize_all();
   }
-  run_now(op, stack);
-  if (learning) launch::confirm(learning, op, *stack);
+  const bool by_policy = run_now(op, stack);
+  // The CPU kernel would fail again on a launch queue: the policy's ops run now, always.
+  if (learning) by_policy ? launch::refuse(learning) : launch::confirm(learning, op, *stack);
 }
 
-void run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+DtypeRetry g_dtype_retry = nullptr;
+// The schemas of the ops the policy covers: only their arguments are kept for it, since a
+// throwing CPU kernel may already have moved some (int lists) off the stack.
+std::unordered_set<const void*> g_policy_ops;
+
+bool run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const auto& args = schema.arguments();
   const auto& rets = schema.returns();
@@ -294,6 +303,15 @@ void run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     (*stack)[base + gen_slot] = c10::IValue(gen_host);
   }
 
+  bool by_policy = false;
+  std::vector<c10::IValue> kept;
+  if (g_dtype_retry && g_policy_ops.count(&schema)) kept.assign(stack->end() - n, stack->end());
+  auto retry = [&] {
+    if (kept.empty()) return false;
+    stack->resize(base);
+    stack->insert(stack->end(), kept.begin(), kept.end());
+    return g_dtype_retry(op, stack);
+  };
   try {
     if (ctx.sparse) {
       // Sparse host aliases carry their own dispatch keys (SparseCPU, SparseCsrCPU).
@@ -303,10 +321,17 @@ void run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
     }
   } catch (c10::NotImplementedError& e) {
-    TORCH_CHECK_NOT_IMPLEMENTED(false, "The operator '", schema.operator_name(),
-                                "' is not available on the neuron device: the virtual "
-                                "NeuronCore runs CPU kernels and CPU has none for these "
-                                "arguments. ", e.what_without_backtrace());
+    by_policy = retry();
+    if (!by_policy) {
+      TORCH_CHECK_NOT_IMPLEMENTED(false, "The operator '", schema.operator_name(),
+                                  "' is not available on the neuron device: the virtual "
+                                  "NeuronCore runs CPU kernels and CPU has none for these "
+                                  "arguments. ", e.what_without_backtrace());
+    }
+  } catch (c10::Error&) {
+    // Some CPU kernels refuse a dtype with a plain check (MKL's FFT, complex nansum).
+    by_policy = retry();
+    if (!by_policy) throw;
   }
 
   if (gen_slot >= 0) {
@@ -369,9 +394,19 @@ void run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (dtype != c10::ScalarType::Undefined) warn_if_unportable(op, dtype);
   commit(ctx.sig, schema.operator_name().name.c_str(), ctx.device,
          dtype == c10::ScalarType::Undefined ? c10::kFloat : dtype, ctx.bytes_in, bytes_out);
+  return by_policy;
 }
 
 }  // namespace
+
+void set_dtype_retry(DtypeRetry hook) { g_dtype_retry = hook; }
+
+bool add_dtype_policy_op(const std::string& name, const std::string& overload) {
+  auto h = c10::Dispatcher::singleton().findSchema({name, overload});
+  if (!h) return false;  // a TorchScript-only overload (aten::acos.int): never dispatched here
+  g_policy_ops.insert(&h->schema());
+  return true;
+}
 
 std::vector<std::pair<std::string, int64_t>> sync_op_counts(bool reset) {
   std::lock_guard<std::mutex> g(g_sync_mu);

@@ -338,6 +338,14 @@ void collect_buffers(const IValue& v, std::vector<const void*>& out) {
 // The first call of a signature runs synchronously; its real outputs (the CPU kernel's
 // dtypes and strides, which a Meta kernel may not match) become the entry later launches
 // allocate from. Outputs that share memory with an input keep the op synchronous.
+void refuse(std::shared_ptr<void>& learning) {
+  auto p = std::static_pointer_cast<Pending>(learning);
+  learning.reset();
+  if (!p) return;
+  p->entry->async = false;
+  insert(p->hash, p->entry);
+}
+
 void confirm(std::shared_ptr<void>& learning, const c10::OperatorHandle& op,
              const torch::jit::Stack& stack) {
   auto p = std::static_pointer_cast<Pending>(learning);

@@ -5,6 +5,8 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/Generator.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/jit/serialization/pickler_helper.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <unordered_set>
@@ -87,6 +89,72 @@ std::string describe_site(const neuron::queue::Site& s) {
   return first;
 }
 
+// The Python dtype policy (set by torch_neuronx.cuda_dtypes), called with the op's name,
+// overload and host-alias arguments; it answers None (not its case) or the op's results.
+// Leaked on purpose: a static py::object would be released after the interpreter is gone.
+PyObject* g_retry_policy = nullptr;
+
+bool dtype_retry(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  if (!Py_IsInitialized()) return false;
+  pybind11::gil_scoped_acquire gil;
+  if (!g_retry_policy) return false;
+  const auto& schema = op.schema();
+  const size_t n = schema.arguments().size();
+  const size_t base = stack->size() - n;
+  pybind11::tuple args(n);
+  for (size_t i = 0; i < n; ++i) args[i] = torch::jit::toPyObject((*stack)[base + i]);
+  pybind11::object out = pybind11::reinterpret_borrow<pybind11::object>(g_retry_policy)(schema.name(), schema.overload_name(), args);
+  if (out.is_none()) return false;
+  const auto& rets = schema.returns();
+  std::vector<c10::IValue> results;
+  if (rets.size() == 1) {
+    results.push_back(torch::jit::toIValue(out, rets[0].type()));
+  } else {
+    auto seq = out.cast<pybind11::sequence>();
+    TORCH_CHECK(seq.size() == rets.size(), schema.operator_name(), ": the dtype policy returned ",
+                seq.size(), " results, the schema has ", rets.size());
+    for (size_t j = 0; j < rets.size(); ++j) results.push_back(torch::jit::toIValue(seq[j], rets[j].type()));
+  }
+  torch::jit::drop(*stack, n);
+  for (auto& r : results) stack->push_back(std::move(r));
+  return true;
+}
+
+// Backend tensor metadata (torch._utils.set_tensor_metadata / get_tensor_metadata): flags
+// kept on the TensorImpl, so they travel with views, detach() and torch.save/torch.load,
+// which pickle them beside the data. clone() gives each copy its own map.
+struct NeuronMeta final : c10::BackendMeta {
+  std::unordered_map<std::string, bool> flags;
+  c10::intrusive_ptr<c10::BackendMeta> clone(const c10::intrusive_ptr<c10::BackendMeta>&) const override {
+    auto copy = c10::make_intrusive<NeuronMeta>();
+    copy->flags = flags;
+    return copy;
+  }
+};
+
+void meta_get(const at::Tensor& t, std::unordered_map<std::string, bool>& out) {
+  auto* m = dynamic_cast<NeuronMeta*>(t.unsafeGetTensorImpl()->get_backend_meta());
+  if (m) out.insert(m->flags.begin(), m->flags.end());
+}
+
+void meta_set(const at::Tensor& t, std::unordered_map<std::string, bool>& in) {
+  if (in.empty()) return;
+  auto* impl = t.unsafeGetTensorImpl();
+  auto* m = dynamic_cast<NeuronMeta*>(impl->get_backend_meta());
+  if (!m) {
+    auto fresh = c10::make_intrusive<NeuronMeta>();
+    m = fresh.get();
+    impl->set_backend_meta(fresh);
+  }
+  for (auto& [k, v] : in) m->flags[k] = v;
+}
+
+bool g_meta_registered = [] {
+  torch::jit::GetBackendMetaSerialization()[static_cast<size_t>(c10::DeviceType::PrivateUse1)] =
+      std::make_pair(torch::jit::BackendMetaPtr(&meta_get), torch::jit::BackendMetaPtr(&meta_set));
+  return true;
+}();
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -149,4 +217,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_set_quiet", &neuron::set_quiet);
   m.def("_quiet", &neuron::quiet);
   m.def("_drain_op_records", &neuron::drain_records);
+  m.def("_set_dtype_policy", [](pybind11::object policy) {
+    Py_XDECREF(g_retry_policy);
+    g_retry_policy = policy.inc_ref().ptr();
+    neuron::set_dtype_retry(&dtype_retry);
+  });
+  m.def("_add_dtype_policy_op", &neuron::add_dtype_policy_op);
 }

@@ -2,6 +2,8 @@
 // modelled HBM capacity enforced and CUDA-compatible statistics.
 #include "runtime.h"
 
+#include <ATen/core/CachingHostAllocator.h>
+
 #include <c10/util/Exception.h>
 
 #include <array>
@@ -370,9 +372,17 @@ NeuronAllocator g_allocator;
 NeuronAllocator& NeuronAllocator::instance() { return g_allocator; }
 
 // Pinned host memory: ordinary host memory whose pointers are remembered, so
-// `is_pinned()` holds and DataLoader's pin_memory path works.
-class PinnedAllocator final : public c10::Allocator {
+// `is_pinned()` holds and DataLoader's pin_memory path works. It is the device's host
+// allocator too (torch.accelerator.empty_host_cache and host memory stats reach it as
+// at::HostAllocator): nothing is cached, so there is nothing to empty or to wait for.
+class PinnedAllocator final : public at::HostAllocator {
  public:
+  bool record_event(void*, void*, c10::Stream) override { return true; }
+  void empty_cache() override {}
+  at::HostStats get_stats() override { return {}; }
+  void reset_accumulated_stats() override {}
+  void reset_peak_stats() override {}
+
   c10::DataPtr allocate(size_t n) override {
     void* p = n ? std::aligned_alloc(kAlign, (n + kAlign - 1) / kAlign * kAlign) : nullptr;
     TORCH_CHECK_WITH(OutOfMemoryError, !n || p, "pinned host allocation of ", n, " bytes failed");
@@ -420,5 +430,6 @@ c10::Allocator* pinned_allocator() { return &g_pinned; }
 bool is_pinned(const void* p) { return g_pinned.contains(p); }
 
 REGISTER_ALLOCATOR(c10::DeviceType::PrivateUse1, &g_allocator);
+REGISTER_HOST_ALLOCATOR(c10::DeviceType::PrivateUse1, &g_pinned);
 
 }  // namespace neuron

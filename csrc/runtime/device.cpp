@@ -121,6 +121,14 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     return old;
   }
   c10::DeviceIndex deviceCount() const noexcept override { return device_count(); }
+  // Every dtype allocates on neuron except the quantized ones (eager quantization has no
+  // neuron storage: kernels/quantized.py).
+  c10::DeviceCapability getDeviceCapability(c10::Device) const override {
+    c10::DeviceCapability cap;
+    auto& t = cap.capability_data.supported_scalar_types;
+    t.has_QInt8 = t.has_QUInt8 = t.has_QInt32 = t.has_QUInt4x2 = t.has_QUInt2x4 = false;
+    return cap;
+  }
 
   void record(void** event, const c10::Stream& stream, const c10::DeviceIndex device_index,
               const c10::EventFlag) const override {
@@ -146,9 +154,21 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   }
   // One in-order executor per device runs every stream: work launched after the wait already
   // follows the recorded work.
+  //
+  // The stream also gets a marker after the wait, as CUDA's stream holds the wait itself:
+  // synchronizing the waiting stream then covers the recorded work, so the event reads as
+  // complete afterwards. An event of another device is waited for on the host.
   void block(void* event, const c10::Stream& stream) const override {
     queue::close_window(stream.device_index());  // a cross-stream wait is a fusion boundary
     timeline_barrier(stream.device_index());
+    auto* e = static_cast<Event*>(event);
+    if (e && e->device >= 0 && !queue::query(e->device, e->seq)) {
+      if (e->device == stream.device_index()) {
+        queue::launch(stream.device_index(), stream.id(), "neuron::event_wait", [] {});
+      } else {
+        queue::wait_for(e->device, e->seq);
+      }
+    }
     if (event && check::enabled()) check::on_event_wait(event, stream.device_index(), stream.id());
   }
   bool queryEvent(void* event) const override {

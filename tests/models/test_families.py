@@ -29,9 +29,6 @@ FAMILIES = {
 
 # Device gaps these families found, fixed in the device (issue 21), not in the examples.
 _WAITING = {
-    ("moe_mixtral", "fp32"): "integer histc on neuron (CUDA has it, CPU lacks it)",
-    ("moe_mixtral", "bf16"): "integer histc on neuron (CUDA has it, CPU lacks it)",
-    ("world_rssm", "fp32"): "the fused GRU cell's forward rounds unlike CPU's composite GRUCell",
 }
 
 

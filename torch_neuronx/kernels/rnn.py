@@ -1,52 +1,9 @@
-"""Kernels registered from Python for ops the CPU fallback cannot serve as CUDA does.
-
-The fallback hands a random op the device's generator through the op's ``Generator?``
-argument. ``aten::native_dropout`` has none, so its CPU kernel would draw from the CPU
-default generator: ``torch.neuron.manual_seed`` would not reach dropout and dropout would
-advance CPU's stream, unlike CUDA, where dropout draws from the device's generator. This
-kernel performs the CPU kernel's steps (a Bernoulli mask of the keep probability, then
-``input * mask * scale``) with ``bernoulli_`` on the device, which the fallback routes to
-the neuron generator, so a seed gives CPU's numbers and only the device stream advances.
-"""
+"""The fused LSTM and GRU cells CUDA has and CPU lacks."""
 from __future__ import annotations
 
 import torch
 
 _lib = torch.library.Library("aten", "IMPL")
-
-
-def _native_dropout(input: torch.Tensor, p: float, train):
-    if input.numel() == 0:
-        return input, torch.empty_like(input)  # as CPU: the empty mask keeps the input dtype
-    if train is None or train:
-        p1m = 1.0 - p
-        scale = 0.0 if p1m == 0 else 1.0 / p1m
-        mask = torch.empty_like(input, memory_format=torch.contiguous_format)
-        mask.bernoulli_(p1m)
-        output = input.mul(mask).mul_(scale)
-        return output, mask.to(torch.bool)
-    return input.clone(), torch.ones_like(input, dtype=torch.bool)
-
-
-_lib.impl("native_dropout", _native_dropout, "PrivateUse1")
-
-
-# Quantized tensors: PyTorch's eager quantization (torch.ao.quantization) is deprecated
-# upstream and has no PrivateUse1 storage, so the CPU fallback fails deep in empty_strided.
-# These name the op and the way forward instead.
-def _no_quantized(op):
-    def kernel(*args, **kwargs):
-        raise NotImplementedError(
-            f"aten::{op} is not supported on the neuron device: eager quantized tensors "
-            "(torch.ao.quantization, deprecated upstream) have no neuron storage. Quantize on "
-            "the CPU, or keep low-precision weights as ordinary neuron tensors "
-            "(float8/int8 dtypes) with explicit scales.")
-    return kernel
-
-
-for _op in ("quantize_per_tensor", "quantize_per_tensor.tensor_qparams",
-            "quantize_per_tensor.tensors", "quantize_per_tensor_dynamic", "quantize_per_channel"):
-    _lib.impl(_op, _no_quantized(_op), "PrivateUse1")
 
 
 # Fused RNN cells. Off the CPU, nn.LSTM/nn.GRU (and their cells) compute the two gate matmuls
@@ -111,3 +68,33 @@ _lib.impl("_thnn_fused_lstm_cell", _fused_lstm_cell, "PrivateUse1")
 _lib.impl("_thnn_fused_lstm_cell_backward_impl", _fused_lstm_cell_backward_impl, "PrivateUse1")
 _lib.impl("_thnn_fused_gru_cell", _fused_gru_cell, "PrivateUse1")
 _lib.impl("_thnn_fused_gru_cell_backward", _fused_gru_cell_backward, "PrivateUse1")
+
+
+# nn.GRUCell / nn.LSTMCell (aten::gru_cell, lstm_cell): CPU's composite, op for op, so a cell
+# step and its autograd graph equal CPU's bit for bit. Off the CPU, ATen's composite would
+# take the fused cells above, whose bias add and backward round differently from CPU's
+# linear-with-bias and its autograd; a recurrent model (a world model's RSSM) then drifts
+# from CPU by an ulp per step. The multi-step modules (nn.GRU/nn.LSTM) keep the fused cells.
+_autograd_lib = torch.library.Library("aten", "IMPL")
+
+
+def _gru_cell(input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
+    ig = torch.nn.functional.linear(input, w_ih, b_ih).unsafe_chunk(3, 1)
+    hg = torch.nn.functional.linear(hx, w_hh, b_hh).unsafe_chunk(3, 1)
+    reset = hg[0].add_(ig[0]).sigmoid_()
+    update = hg[1].add_(ig[1]).sigmoid_()
+    new = ig[2].add(hg[2].mul_(reset)).tanh_()
+    return (hx - new).mul_(update).add_(new)
+
+
+def _lstm_cell(input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
+    h, c = hx
+    gates = torch.nn.functional.linear(h, w_hh, b_hh).add_(torch.nn.functional.linear(input, w_ih, b_ih))
+    i, f, g, o = gates.unsafe_chunk(4, 1)
+    i, f, g, o = i.sigmoid_(), f.sigmoid_(), g.tanh_(), o.sigmoid_()
+    cy = (f * c).add_(i * g)
+    return o * cy.tanh(), cy
+
+
+_autograd_lib.impl("gru_cell", _gru_cell, "AutogradPrivateUse1")
+_autograd_lib.impl("lstm_cell", _lstm_cell, "AutogradPrivateUse1")

@@ -1,0 +1,202 @@
+"""CUDA's dtypes where CPU has no kernel: the device computes them as CUDA does.
+
+Programs written for CUDA use dtypes that CUDA's kernels take and CPU's refuse (integer
+``histc`` in Transformers' MoE routing, half-precision ``avg_pool3d`` and FFTs, ``chalf``
+math). The fallback runs CPU kernels; when one refuses its arguments, it hands them (host
+aliases of the device tensors) to :func:`_policy`, which computes CUDA's result:
+
+* half, bfloat16 and complex32 ops run in float32 / complex64 and round the result back,
+  as CUDA's kernels compute in their ``opmath`` type and round once;
+* integer ``histc`` uses CUDA's integer bin formula, ``(x - min) * bins // (max - min)``
+  in int64, bounds converted to the input dtype as CUDA does;
+* ``abs`` and ``trace`` of bool, and ``nansum`` of complex, follow CUDA's definitions.
+
+The op list comes from PyTorch's OpInfo database (ops whose ``dtypesIfCUDA`` exceed their
+``dtypes``); ``tests/device/test_cuda_dtypes.py`` regenerates it, so a new torch that adds
+one is caught. Anything else the CPU refuses still raises the CPU error.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import _C
+
+_WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32,
+          torch.complex32: torch.complex64}
+_INTS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+# Ops whose CUDA kernels take half/bfloat16/complex32 where CPU's do not, computed wider.
+_UPCAST = frozenset("""
+avg_pool3d avg_pool3d_backward _upsample_bilinear2d_aa _upsample_bilinear2d_aa_backward
+_upsample_bicubic2d_aa _upsample_bicubic2d_aa_backward
+multi_margin_loss multi_margin_loss_backward multilabel_margin_loss_forward
+multilabel_margin_loss_backward rrelu_with_noise rrelu_with_noise_ rrelu_with_noise_backward
+_fft_r2c _fft_c2c _fft_c2r
+acos acosh asin asinh atan atanh cos cosh sin sinh tan tanh exp log sqrt rsqrt sigmoid
+div logaddexp pow lerp angle prod sum trace
+""".split())
+
+
+def _schema_call(name: str, overload: str, args):
+    op = getattr(getattr(torch.ops.aten, name), overload or "default")
+    pos, kw = [], {}
+    for a, v in zip(op._schema.arguments, args):
+        if a.kwarg_only:
+            kw[a.name] = v
+        else:
+            pos.append(v)
+    return op, pos, kw
+
+
+def _write_args(op):
+    return [i for i, a in enumerate(op._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write]
+
+
+def _finish(op, args, wide_args, out, narrow):
+    """Rounds results back to the narrow dtypes and writes mutated arguments back."""
+    for i in _write_args(op):
+        t, w = args[i], wide_args[i]
+        if isinstance(t, torch.Tensor) and t is not w:
+            if t.shape != w.shape:
+                t.resize_(w.shape)
+            t.copy_(w)
+
+    def back(r, ret):
+        if not isinstance(r, torch.Tensor):
+            return r
+        if ret.alias_info is not None and ret.alias_info.is_write:
+            for i in _write_args(op):
+                if op._schema.arguments[i].alias_info.before_set == ret.alias_info.before_set:
+                    return args[i]
+        return r.to(narrow.get(r.dtype, r.dtype))
+
+    rets = op._schema.returns
+    if len(rets) == 1:
+        return back(out, rets[0])
+    return tuple(back(r, ret) for r, ret in zip(out, rets))
+
+
+def _upcast(name, overload, args):
+    lacking = {a.dtype for a in args if isinstance(a, torch.Tensor) and a.dtype in _WIDER}
+    if not lacking:
+        return None
+    narrow = {}
+    for d in lacking:
+        narrow[_WIDER[d]] = d
+    if torch.complex32 in lacking:
+        narrow.setdefault(torch.float32, torch.float16)  # real results of chalf math (angle)
+    wide = [a.to(_WIDER[a.dtype]) if isinstance(a, torch.Tensor) and a.dtype in _WIDER else a
+            for a in args]
+    wide = [a if not isinstance(a, torch.dtype) else _WIDER.get(a, a) for a in wide]
+    op, pos, kw = _schema_call(name, overload, wide)
+    return _finish(op, args, wide, op(*pos, **kw), narrow)
+
+
+def _scalar_as(v, dtype):
+    """A Scalar converted to an integer dtype as C++ converts it (truncate, then wrap)."""
+    return int(torch.tensor(int(v), dtype=torch.int64).to(dtype))
+
+
+def _histc_int(name, overload, args):
+    self, bins, lo, hi = args[:4]
+    if self.dtype not in _INTS:
+        return None
+    if bins <= 0:
+        raise RuntimeError(f"torch.histc: bins must be > 0, but got {bins} for bins")
+    lo, hi = _scalar_as(lo, self.dtype), _scalar_as(hi, self.dtype)
+    x = self.reshape(-1).to(torch.int64)
+    if lo == hi and x.numel() > 0:
+        lo, hi = int(x.min()), int(x.max())
+    if lo == hi:
+        lo, hi = _scalar_as(lo - 1, self.dtype), _scalar_as(hi + 1, self.dtype)
+    if not lo < hi:
+        raise RuntimeError("torch.histc: max must be larger than min")
+    x = x[(x >= lo) & (x <= hi)]
+    b = torch.div((x - lo) * bins, hi - lo, rounding_mode="floor").clamp_(max=bins - 1)
+    hist = torch.bincount(b, minlength=bins).to(self.dtype)
+    if overload == "out":
+        out = args[4]
+        out.resize_(hist.shape).copy_(hist)
+        return out
+    return hist
+
+
+def _abs_bool(name, overload, args):
+    self = args[0]
+    if self.dtype != torch.bool:
+        return None
+    if overload == "out":
+        args[1].resize_(self.shape).copy_(self)
+        return args[1]
+    return self.clone()
+
+
+def _trace(name, overload, args):
+    self = args[0]
+    if self.dtype == torch.bool:  # CUDA sums the diagonal, which promotes bool to int64
+        return self.diagonal().sum()
+    return _upcast(name, overload, args)
+
+
+def _nansum_complex(name, overload, args):
+    self = args[0]
+    if not self.is_complex():
+        return None
+    wide = self.to(torch.complex64) if self.dtype == torch.complex32 else self
+    clean = torch.where(torch.isnan(wide), torch.zeros((), dtype=wide.dtype), wide)
+    op, pos, kw = _schema_call("sum", "dim_IntList" if overload != "out" else "IntList_out",
+                               [clean] + list(args[1:]))
+    out = op(*pos, **kw)
+    if overload != "out" and self.dtype == torch.complex32 and out.dtype == torch.complex64:
+        out = out.to(torch.complex32)
+    return out
+
+
+_SPECIAL = {"histc": _histc_int, "abs": _abs_bool, "trace": _trace, "nansum": _nansum_complex}
+
+
+def _policy(name: str, overload: str, args: tuple):
+    base = name.split("::", 1)[1]
+    rule = _SPECIAL.get(base)
+    if rule is not None:
+        return rule(base, overload, list(args))
+    if base.rstrip("_") in _UPCAST:  # and the in-place forms, exp_ for exp
+        return _upcast(base, overload, list(args))
+    return None
+
+
+# torch.fft's composites refuse half precision on any device but CUDA before reaching a
+# kernel ("Unsupported dtype Half"). On neuron they are wrapped above autograd: half and
+# complex32 inputs are widened (through autograd) and the result rounded back, as CUDA's
+# half FFT computes in float32; other dtypes run the composite itself.
+_FFT = [n for n in dir(torch.ops.aten) if n.startswith("fft_") and "fftfreq" not in n
+        and "fftshift" not in n]
+_autograd_lib = torch.library.Library("aten", "IMPL")
+
+
+def _fft_wrapper(op):
+    def kernel(*args, **kwargs):
+        x = args[0]
+        if x.dtype not in (torch.float16, torch.complex32) or "out" in kwargs:
+            return op.decompose(*args, **kwargs)
+        y = op(x.to(_WIDER[x.dtype]), *args[1:], **kwargs)
+        return y.to(torch.complex32 if y.is_complex() else torch.float16)
+    return kernel
+
+
+def _register():
+    for name in _FFT:
+        op = getattr(torch.ops.aten, name).default
+        _autograd_lib.impl(op, _fft_wrapper(op), "AutogradPrivateUse1")
+    for base in sorted(_UPCAST | set(_SPECIAL)):
+        for name in (base, base + "_"):
+            packet = getattr(torch.ops.aten, name, None)
+            if packet is None:
+                continue
+            for overload in packet.overloads():
+                _C._add_dtype_policy_op("aten::" + name, "" if overload == "default" else overload)
+    _C._set_dtype_policy(_policy)
+
+
+_register()
