@@ -81,6 +81,7 @@ from .neuron.memory import (empty_cache, max_memory_allocated, max_memory_reserv
 from .cost_model import modelled_time, reset_modelled_time  # noqa: E402
 from .runtime.stream_check import _from_environment as _stream_check_from_env  # noqa: E402
 from .runtime.stream_check import stream_check  # noqa: E402
+from .runtime import sharing as _sharing  # noqa: E402,F401  (neuron tensors through torch.multiprocessing)
 
 _stream_check_from_env()
 

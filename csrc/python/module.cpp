@@ -207,6 +207,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return alias;
   });
   m.def("_route_composites_to_cpu", &neuron::route_composites_to_cpu);
+  // torch.multiprocessing: a device buffer moves into a shared-memory CPU storage (device
+  // memory is host memory), which another process maps and adopts as its own device buffer.
+  m.def("_shared_cpu_storage", [](const at::Tensor& t) -> std::optional<at::Tensor> {
+    auto st = neuron::adopted_storage(t.storage().data_ptr());
+    if (!st) return std::nullopt;
+    return at::empty({0}, at::kByte).set_(st);
+  });
+  m.def("_move_to_shared", [](const at::Tensor& t, const at::Tensor& shm) {
+    TORCH_CHECK(t.device().type() == neuron::kDevice, "_move_to_shared expects a neuron tensor");
+    auto* impl = t.storage().unsafeGetStorageImpl();
+    TORCH_CHECK(shm.storage().nbytes() == impl->nbytes(), "_move_to_shared: size mismatch");
+    {
+      pybind11::gil_scoped_release no_gil;
+      neuron::queue::synchronize_all();
+    }
+    if (impl->nbytes()) std::memcpy(shm.storage().mutable_data(), impl->data(), impl->nbytes());
+    impl->set_data_ptr_noswap(neuron::adopt(shm.storage(), t.device().index()));
+  });
+  m.def("_adopt_tensor", [](const at::Tensor& cpu, int d) {
+    return neuron::adopt_tensor(cpu, static_cast<c10::DeviceIndex>(d));
+  });
   // Called at interpreter exit (atexit), while Python is alive: autograd's worker threads for
   // this device then leave cleanly instead of being torn down during finalization, where
   // re-acquiring the GIL aborts the process ("terminate called without an active exception").

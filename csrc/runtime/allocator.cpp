@@ -204,6 +204,12 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     return c10::DataPtr(ptr, a, &free_adopted, c10::Device(kDevice, d));
   }
 
+  // The CPU storage a device buffer adopted, or an empty one.
+  static c10::Storage adopted(const c10::DataPtr& p) {
+    if (p.get_deleter() != &free_adopted) return {};
+    return static_cast<Adopted*>(p.get_context())->storage;
+  }
+
   void set_limit(c10::DeviceIndex d, int64_t bytes) {
     std::lock_guard<std::mutex> g(mu_);
     state_[d].limit = bytes;
@@ -426,6 +432,7 @@ void set_memory_limit(c10::DeviceIndex d, int64_t bytes) { g_allocator.set_limit
 c10::DataPtr adopt(c10::Storage cpu_storage, c10::DeviceIndex d) {
   return g_allocator.adopt(std::move(cpu_storage), d);
 }
+c10::Storage adopted_storage(const c10::DataPtr& p) { return NeuronAllocator::adopted(p); }
 c10::Allocator* pinned_allocator() { return &g_pinned; }
 bool is_pinned(const void* p) { return g_pinned.contains(p); }
 

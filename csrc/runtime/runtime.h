@@ -33,6 +33,8 @@ c10::DataPtr allocate_on(size_t n, c10::DeviceIndex d);
 void set_memory_limit(c10::DeviceIndex d, int64_t bytes);
 // Take ownership of host memory a CPU kernel produced, as device memory of `d`.
 c10::DataPtr adopt(c10::Storage cpu_storage, c10::DeviceIndex d);
+// The CPU storage behind an adopted device buffer (empty if it is not one).
+c10::Storage adopted_storage(const c10::DataPtr& p);
 c10::Allocator* pinned_allocator();
 bool is_pinned(const void* p);
 
