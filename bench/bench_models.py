@@ -19,6 +19,12 @@ import torch
 
 import torch_neuronx
 
+# CPU and neuron copies of a family run the same model code, so Dynamo keeps one compiled
+# entry per device (and per train/eval mode) for each frame: the default limit of 8 makes the
+# alternating pairs recompile and then fall back to eager, which would time neither compiler.
+torch._dynamo.config.recompile_limit = 64
+torch._dynamo.config.accumulated_recompile_limit = 4096
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "models"))
 _harness = importlib.import_module("_harness")
 
