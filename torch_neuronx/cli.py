@@ -1,4 +1,4 @@
-"""``torchneuron``: ``ls`` (like neuron-ls) and ``demo`` (the main job)."""
+"""``torchneuron``: ``ls`` (like neuron-ls), ``demo`` (the main job), ``explore`` (profiles) and ``plan`` (cluster what-if)."""
 from __future__ import annotations
 
 import argparse
@@ -46,8 +46,10 @@ def main(argv=None) -> int:
     demo.add_argument("--no-compile", action="store_true", help="skip the compiled run")
     from .profiling import explore
     explore.add_arguments(sub.add_parser("explore", help="bottleneck report of a profile directory"))
+    from .plan import cli as plan_cli
+    plan_cli.add_arguments(sub.add_parser("plan", help="model a training or serving step on N Trainium chips"))
     args = parser.parse_args(argv)
-    return {"ls": _ls, "demo": _demo, "explore": explore.run}[args.cmd](args)
+    return {"ls": _ls, "demo": _demo, "explore": explore.run, "plan": plan_cli.run}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -96,4 +96,20 @@ def run(steps=500, batch=16, compile=True, device="neuron", autocast=False) -> i
     prompt = encode("The tensor engine").unsqueeze(0).to(device)
     out = model.generate(prompt, 120, generator=torch.Generator(device=device).manual_seed(0))
     print("sample: " + decode(out[0].cpu()).replace("\n", " "))
+    _what_if(gcfg, batch)
     return 0
+
+
+def _what_if(gcfg, batch) -> None:
+    """The same GPT step planned on a cluster (torch_neuronx.plan), under the best layout."""
+    from .. import plan
+    model = plan.TransformerConfig(layers=gcfg.n_layer, hidden=gcfg.n_embd, heads=gcfg.n_head,
+                                   vocab=gcfg.vocab_size, seq=gcfg.block_size, name="demo GPT")
+    for name in ("trn2.48xlarge", "trn2-ultraserver"):
+        c = plan.cluster(name)
+        # One sequence per device at least: the global batch grows with the cluster.
+        global_batch = max(batch, c.devices)
+        best = plan.sweep(model, c, global_batch)[0]
+        print(f"what-if, {name} ({c.chips} chips, {c.devices} devices), batch {global_batch}: "
+              f"best layout {best.layout}: {best.step_seconds * 1e3:.3f} ms/step, "
+              f"{best.tokens_per_second:,.0f} tokens/s, MFU {best.mfu * 100:.1f}%")
