@@ -151,3 +151,17 @@ def test_cli_sweep_and_error(capsys):
     assert "layouts; the 3 fastest" in out and "MFU" in out
     assert main(["plan", "--model", "llama-1b", "--layout", "tp=3"]) == 2
     assert "uses 3 devices" in capsys.readouterr().out
+
+
+def test_plots_hold_the_estimates(tmp_path):
+    from torch_neuronx.plan.plots import plot_breakdown, plot_scaling
+    c = plan.cluster("trn2.48xlarge", chips=2)
+    ests = plan.sweep(LLAMA_1B, c, batch=16)
+    rows = plot_breakdown(ests, str(tmp_path / "b.png"), top=4)
+    assert [r[0] for r in rows] == [str(e.layout) for e in ests[:4]]
+    assert all(sum(r[1].values()) == pytest.approx(e.step_seconds) for r, e in zip(rows, ests))
+    assert (tmp_path / "b.png").stat().st_size > 1000
+    pts = plot_scaling(LLAMA_1B, "trn2.48xlarge", [1, 2, 4], 1, str(tmp_path / "s.png"))
+    assert [p[0] for p in pts] == [1, 2, 4]
+    assert pts[0][3] < pts[1][3] < pts[2][3]  # more chips, more tokens/s (weak scaling)
+    assert (tmp_path / "s.png").stat().st_size > 1000

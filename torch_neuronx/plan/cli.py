@@ -23,6 +23,8 @@ def add_arguments(p) -> None:
     p.add_argument("--serve", action="store_true", help="serving: TTFT and inter-token latency")
     p.add_argument("--tp", type=int, default=None, help="serving: tensor parallel degree")
     p.add_argument("--context", type=int, default=4096, help="serving: context length")
+    p.add_argument("--plot", default=None, metavar="DIR",
+                   help="sweep: write breakdown.png and scaling.png to DIR")
 
 
 def parse_layout(text: str) -> Layout:
@@ -68,4 +70,15 @@ def _run(args) -> int:
     print(f"{len(ests)} layouts; the {min(args.top, len(ests))} fastest that fit first:")
     for e in ests[:args.top]:
         print(e)
+    if args.plot:
+        import os
+        from .plots import plot_breakdown, plot_scaling
+        os.makedirs(args.plot, exist_ok=True)
+        plot_breakdown(ests, os.path.join(args.plot, "breakdown.png"), top=args.top)
+        per_node = INSTANCES[args.instance][1]
+        counts = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n <= per_node or n % per_node == 0]
+        counts = [n for n in counts if n <= max(c.chips, per_node) * 4]
+        plot_scaling(model, args.instance, counts, max(1, args.batch // c.devices),
+                     os.path.join(args.plot, "scaling.png"))
+        print(f"plots: {args.plot}/breakdown.png, {args.plot}/scaling.png")
     return 0
