@@ -25,6 +25,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+# Callables told of every collective the "neuron" backend charges, as (device, op, nbytes,
+# group_size, nodes, seconds): torch_neuronx.plan.trace records a step's collectives so a
+# what-if can re-price them for another group size.
+listeners: list = []
+
 _OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
         "gather", "scatter", "send", "recv", "barrier")
 

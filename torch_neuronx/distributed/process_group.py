@@ -157,6 +157,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                 self._modelled[(op, nbytes)] = cached
         _add_time()(self._device_index, cached[0], cached[1], engine="collective",
                     link_bytes=nbytes)
+        for listen in collectives_model.listeners:
+            listen(self._device_index, op, nbytes, self.size(), self._nodes, cached[1])
 
     def _work(self, op: str, works: list, result: list, host: HostTensors) -> NeuronWork:
         w = NeuronWork(self, op, works, result, host)
