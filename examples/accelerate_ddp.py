@@ -66,6 +66,10 @@ def main(argv=None) -> dict:
     accelerator.load_state(args.state_dir, map_location="cpu")
     again = train(accelerator, model, opt, accelerator.skip_first_batches(loader, half), half)
     accelerator.wait_for_everyone()
+    # Leave the process group before exit, as PyTorch asks: a gloo group torn down at
+    # interpreter exit can abort a rank ("terminate called without an active exception"),
+    # seen once on the CPU peer run under load.
+    accelerator.end_training()
     return {"device": str(accelerator.device), "distributed_type": str(accelerator.distributed_type),
             "mixed_precision": accelerator.mixed_precision, "num_processes": accelerator.num_processes,
             "losses": first + second, "resumed": again}
