@@ -107,8 +107,8 @@ def _what_if(gcfg, batch) -> None:
                                    vocab=gcfg.vocab_size, seq=gcfg.block_size, name="demo GPT")
     for name in ("trn2.48xlarge", "trn2-ultraserver"):
         c = plan.cluster(name)
-        # One sequence per device at least: the global batch grows with the cluster.
-        global_batch = max(batch, c.devices)
+        # The demo's batch on every device: the global batch grows with the cluster.
+        global_batch = batch * c.devices
         best = plan.sweep(model, c, global_batch)[0]
         print(f"what-if, {name} ({c.chips} chips, {c.devices} devices), batch {global_batch}: "
               f"best layout {best.layout}: {best.step_seconds * 1e3:.3f} ms/step, "
