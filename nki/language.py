@@ -371,9 +371,197 @@ def rms_norm(x, w, axis=-1, n=None, epsilon=1e-6, dtype=None, compute_dtype=None
     return out
 
 
-_MISSING = {"atomic_rmw", "all_reduce", "loop_reduce", "gather_flattened", "shared_constant",
-            "shared_identity_matrix", "static_assert", "dropout_", "random_seed", "rand",
-            "random", "dynamic_range", "invert_"}
+# ------------------------------------------------------- shapes, buffers, constants, random
+def is_psum(buffer):
+    """Whether ``buffer`` (a buffer or a tensor) is PSUM."""
+    return _kind_of(buffer) == "psum"
+
+
+def is_sbuf(buffer):
+    """Whether ``buffer`` (a buffer or a tensor) is SBUF."""
+    return _kind_of(buffer) == "sbuf"
+
+
+def is_hbm(buffer):
+    """Whether ``buffer`` (a buffer or a tensor) is any HBM kind."""
+    return _kind_of(buffer) in ("hbm", "shared_hbm", "private_hbm")
+
+
+def is_on_chip(buffer):
+    """Whether ``buffer`` (a buffer or a tensor) is SBUF or PSUM."""
+    return _kind_of(buffer) in ("sbuf", "psum")
+
+
+def _kind_of(buffer):
+    return buffer.kind if isinstance(buffer, (NkiTensor, Buffer)) else _kind(buffer)
+
+
+class no_reorder:
+    """``with nl.no_reorder():`` keeps program order. The simulator always issues in program
+    order, so the block changes nothing here; dynamic loops inside it are refused as AWS's
+    compiler refuses them."""
+    _depth = 0
+
+    def __enter__(self):
+        no_reorder._depth += 1
+        return self
+
+    def __exit__(self, *exc):
+        no_reorder._depth -= 1
+        return False
+
+
+def dynamic_range(start, stop=None, step=1):
+    """A loop the device runs with runtime bounds; simulated as the same iterations."""
+    if no_reorder._depth:
+        raise E.UnsupportedError("nki.language.dynamic_range: dynamic loops are not supported "
+                                 "inside a no_reorder block")
+    return affine_range(start, stop, step) if stop is not None else affine_range(start)
+
+
+def expand_dims(x, axis):
+    """A view of ``x`` with a new axis of size 1 at ``axis`` (numpy.expand_dims)."""
+    shape = list(x.shape)
+    axis = axis if axis >= 0 else len(shape) + 1 + axis
+    if not 0 <= axis <= len(shape):
+        raise E.ShapeMismatchError(f"nki.language.expand_dims: axis {axis} out of range for shape {tuple(x.shape)}")
+    shape.insert(axis, 1)
+    return x.reshape(tuple(shape))
+
+
+def broadcast_to(x, shape, dtype=None):
+    """``x`` broadcast to ``shape`` (numpy rules, same rank): across partitions on GpSimd,
+    along the free dims on VectorE. Returns ``x`` itself when nothing changes."""
+    shape = tuple(shape)
+    if len(shape) != x.ndim:
+        raise E.ShapeMismatchError(f"nki.language.broadcast_to: shape {shape} must have the rank of "
+                                   f"the source {tuple(x.shape)}")
+    for have, want in zip(x.shape, shape):
+        if have != want and have != 1:
+            raise E.ShapeMismatchError(f"nki.language.broadcast_to: cannot broadcast {tuple(x.shape)} to {shape}")
+    dt = as_dtype(dtype) if dtype is not None else x.dtype
+    if tuple(x.shape) == shape:
+        return x if dt == x.dtype else copy(x, dtype=dt)
+    if x.shape[0] != shape[0]:
+        x = _broadcast_partition(x, shape[0])
+    if tuple(x.shape) == shape and dt == x.dtype:
+        return x
+    out = ndarray(shape, dt, sbuf)
+    _ctx.current().compute("broadcast_free", "vector", builtins.max(64, out.free_size), [x], [out])
+    out.v[...] = np.broadcast_to(x.v, shape).astype(out.v.dtype)
+    return out
+
+
+def var(x, axis, dtype=None, keepdims=False):
+    """Population variance along free axes (numpy.var); keeps the reduced dims as 1, as AWS's.
+    Two passes in float32: the mean, then the mean of squared deviations."""
+    m = mean(x, axis=axis, dtype=float32, keepdims=True)
+    d = ndarray(x.shape, float32, sbuf)
+    _isa.tensor_scalar(d, x, subtract, m) if m.free_size == 1 else _isa.tensor_tensor(
+        d, x, broadcast_to(m, x.shape), subtract)
+    sq = ndarray(x.shape, float32, sbuf)
+    _isa.activation(sq, square, d)
+    return mean(sq, axis=axis, dtype=dtype or x.dtype, keepdims=True)
+
+
+def abs_max(x, y, dtype=None):
+    """The input of larger magnitude, sign kept (``x`` where ``|x| > |y|``, else ``y``)."""
+    return _by_magnitude(x, y, greater, dtype)
+
+
+def abs_min(x, y, dtype=None):
+    """The input of smaller magnitude, sign kept (``x`` where ``|x| < |y|``, else ``y``)."""
+    return _by_magnitude(x, y, less, dtype)
+
+
+def _by_magnitude(x, y, cmp, dtype):
+    ax = abs(x) if isinstance(x, NkiTensor) else builtins.abs(x)
+    ay = abs(y) if isinstance(y, NkiTensor) else builtins.abs(y)
+    pick = cmp(ax, ay)
+    return where(pick, x, y, dtype=dtype)
+
+
+def dropout(x, rate, dtype=None):
+    """Zero each element with probability ``rate`` (scalar or a (P, 1) tile) on VectorE."""
+    out = ndarray(x.shape, x.dtype, sbuf)
+    _isa.dropout(out, x, rate)
+    return out if dtype is None or as_dtype(dtype) == x.dtype else copy(out, dtype=dtype)
+
+
+def rand(shape, dtype, buffer=None, name=None):
+    """A new tensor of uniform [0, 1) values from the core's random generator."""
+    t = ndarray(shape, dtype, buffer if buffer is not None else sbuf, name)
+    _isa.rng(t)
+    return t
+
+
+def random_seed(seed):
+    """Seed the core's random generator from a [1, 1] tile (or an int): the same seed gives
+    the same ``rand``/``dropout`` values."""
+    _isa.set_rng_seed(seed)
+
+
+def shared_constant(constant):
+    """A shared-HBM tensor holding ``constant`` (a numpy array or a ``.npy`` path), present at
+    load time: no engine time."""
+    arr = np.load(constant) if isinstance(constant, str) else np.asarray(constant)
+    dt = as_dtype(arr.dtype.name if arr.dtype.name != "float64" else "float32")
+    t = ndarray(arr.shape, dt, shared_hbm)
+    t.v[...] = arr.astype(t.v.dtype)
+    return t
+
+
+def shared_identity_matrix(n, dtype=uint8, dst=None):
+    """An n x n identity in SBUF (built once per dtype by AWS's compiler; here per call, on
+    GpSimd as an iota-and-compare)."""
+    t = dst if dst is not None else ndarray((n, n), dtype, sbuf)
+    _ctx.current().compute("identity_matrix", "gpsimd", builtins.max(64, n), [], [t])
+    t.v[...] = np.eye(n, dtype=np.float32).astype(t.v.dtype)
+    return t
+
+
+def load_transpose2d(src, dtype=None):
+    """Load a 2-D HBM tensor into SBUF transposed (a DMA transpose)."""
+    if src.ndim != 2:
+        raise E.ShapeMismatchError(f"nki.language.load_transpose2d: a 2-D tensor, got {tuple(src.shape)}")
+    t = ndarray((src.shape[1], src.shape[0]), dtype or src.dtype, sbuf)
+    _isa.dma_transpose(t, src)
+    return t
+
+
+def silu_dx(x, dtype=None):
+    """d/dx silu(x) = sigmoid(x) * (1 + x * (1 - sigmoid(x)))."""
+    s = sigmoid(x, dtype=float32)
+    return _derivative(x, s, lambda xv, sv: sv * (1 + xv * (1 - sv)), dtype)
+
+
+def gelu_dx(x, dtype=None):
+    """d/dx gelu(x) = Phi(x) + x * phi(x) (exact GELU)."""
+    cdf = ndarray(x.shape, float32, sbuf)
+    _isa.activation(cdf, erf, x, scale=float(1 / np.sqrt(2)))  # erf(x / sqrt 2)
+    return _derivative(x, cdf, lambda xv, ev: 0.5 * (1 + ev) + xv * np.exp(-0.5 * xv * xv) / np.sqrt(2 * np.pi), dtype)
+
+
+def gelu_apprx_sigmoid_dx(x, dtype=None):
+    """d/dx of x * sigmoid(1.702 x)."""
+    s = ndarray(x.shape, float32, sbuf)
+    _isa.activation(s, sigmoid, x, scale=1.702)
+    return _derivative(x, s, lambda xv, sv: sv + 1.702 * xv * sv * (1 - sv), dtype)
+
+
+def _derivative(x, first, finish, dtype):
+    # The ScalarE table lookup above, then one VectorE pass combining it with x.
+    out = ndarray(x.shape, dtype or x.dtype, sbuf)
+    _ctx.current().compute("activation_dx", "vector", builtins.max(64, x.free_size), [x, first], [out])
+    xv = x.v.astype(np.float32)
+    fv = first.v.astype(np.float32)
+    out.v[...] = finish(xv, fv).astype(out.v.dtype)
+    return out
+
+
+_MISSING = {"atomic_rmw", "all_reduce", "loop_reduce", "gather_flattened", "static_assert",
+            "dropout_", "random", "invert_", "prelu", "float8_e8m0fnu", "float8_e5m2_x4",
+            "float8_e4m3fn_x4", "float4_e2m1fn_x4"}
 
 
 def __getattr__(name):
