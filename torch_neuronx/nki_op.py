@@ -18,9 +18,10 @@
 function is either an ``@nki.jit`` kernel (its annotated signature becomes the op's) or a
 Python function that calls NKI kernels on the tensors it receives.
 
-An ``@nki.jit`` kernel needs no fake implementation: by default the op's fake runs the
-kernel once in the simulator on zero inputs of the same shapes and dtypes (cached per shape)
-and returns empty tensors shaped like its outputs. Register a fake to skip that run.
+Neither form needs a fake implementation: by default the op's fake runs the kernel once in
+the simulator (or the Python function once, on real zero tensors) on inputs of the same shapes
+and dtypes (cached per shape) and returns empty tensors shaped like its outputs. Register a
+fake to skip that run.
 """
 from __future__ import annotations
 
@@ -88,6 +89,45 @@ def _auto_fake(kernel, sig):
     return fake
 
 
+def _auto_fake_function(f, sig):
+    """A fake for a Python function that calls NKI kernels: run it once per input shape and
+    dtype on real zero tensors of the fake inputs' device (fake mode lifted for the run), and
+    return empty tensors shaped like its outputs. Its kernels then infer their own output
+    shapes, as AWS's guide expects of a wrapped function under torch.compile."""
+    cache: dict = {}
+
+    def key_of(v):
+        if isinstance(v, torch.Tensor):
+            return ("T", tuple(int(n) for n in v.shape), v.dtype)
+        return ("C", repr(v))
+
+    def fake(*args, **kwargs):
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        key = tuple((k, key_of(v)) for k, v in bound.arguments.items())
+        device = next((v.device for v in bound.arguments.values() if isinstance(v, torch.Tensor)), None)
+        metas = cache.get(key)
+        if metas is None:
+            with unset_fake_temporarily(), torch.no_grad():
+                real = {k: (torch.zeros(kv[1][1], dtype=kv[1][2], device=device) if kv[1][0] == "T"
+                            else bound.arguments[k]) for k, kv in zip(bound.arguments, key)}
+                metas = cache[key] = _torch_metas(f(**real))
+        return _empties(metas, device)
+    return fake
+
+
+def _torch_metas(out):
+    if out is None:
+        return None
+    if isinstance(out, torch.Tensor):
+        return ("T", tuple(out.shape), out.dtype)
+    if isinstance(out, (tuple, list)):
+        return (type(out), [_torch_metas(o) for o in out])
+    raise TypeError(f"nki_op: the function returned {type(out).__name__}; return a tensor, a "
+                    f"tuple of tensors or None")
+
+
 def _metas(out):
     import numpy as np
     if out is None:
@@ -130,8 +170,7 @@ def nki_op(name, fn=None, /, *, mutates_args, device_types=None, schema=None):
             impl.__signature__ = sig
         op = torch.library.custom_op(name, impl, mutates_args=mutates_args,
                                      device_types=device_types, schema=schema)
-        if kernel is not None:
-            op.register_fake(_auto_fake(kernel, sig))
+        op.register_fake(_auto_fake(kernel, sig) if kernel is not None else _auto_fake_function(f, sig))
         return op
 
     return register if fn is None else register(fn)

@@ -273,3 +273,22 @@ def test_nki_op_with_neuron_backend():
     r = torch.compile(lambda x, y: scaled_add_kernel(x, y, scale=3.0) - 1, backend="neuron")(
         a.to("neuron"), b.to("neuron"))
     torch.testing.assert_close(r.cpu(), (a + b) * 3 - 1)
+
+
+def test_nki_op_python_function_derives_its_fake_under_compile():
+    # AWS's guide: a Python function calling NKI kernels, registered with
+    # @nki_op(..., mutates_args={}) and no fake, used inside torch.compile.
+    @nki_op(_name("fma_auto"), mutates_args={})
+    def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return add_kernel(mul_kernel(a, b), c)
+
+    a, b, c = (_rand(128, 64, seed=s).to("neuron") for s in range(3))
+    compiled = torch.compile(lambda a, b, c: fma(a, b, c) * 2, backend="neuron", fullgraph=True)
+    got = compiled(a, b, c)
+    torch.testing.assert_close(got.cpu(), (a.cpu() * b.cpu() + c.cpu()) * 2)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    a32 = a[:, :32].contiguous()
+    with FakeTensorMode() as mode:
+        fa = mode.from_tensor(a32)
+        out = fma(fa, fa, fa)
+    assert tuple(out.shape) == (128, 32) and out.dtype == a.dtype
