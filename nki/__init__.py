@@ -10,8 +10,9 @@ hardware-faithful simulator with an engine-level timing model.
 """
 from . import errors, isa, language, typing  # noqa: F401
 from .errors import NkiError, NkiRuleError  # noqa: F401
-from .simulator.runner import BenchmarkResult, Kernel, benchmark, jit, profile, simulate  # noqa: F401
+from .simulator.runner import (BenchmarkResult, Kernel, benchmark, cpu_simulate, jit,  # noqa: F401
+                               profile, simulate)
 
 __version__ = "0.7.0"
-__all__ = ["jit", "simulate", "benchmark", "profile", "language", "isa", "typing", "errors",
+__all__ = ["jit", "simulate", "cpu_simulate", "benchmark", "profile", "language", "isa", "typing", "errors",
            "Kernel", "BenchmarkResult", "NkiError", "NkiRuleError"]

@@ -189,3 +189,23 @@ def test_dynamic_loops_are_refused_inside_no_reorder():
         return out
     with pytest.raises(E.UnsupportedError, match="no_reorder"):
         kernel(np.zeros((4, 4), np.float32))
+
+
+def test_cpu_simulate_as_nki_librarys_harness_calls_it(monkeypatch):
+    # nki-library's tests: nki.cpu_simulate(kernel)[lnc_count](**inputs), NKI_NC_VERSION set.
+    @nki.jit
+    def double_rows(x):
+        out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+        rows = x.shape[0] // nl.num_programs()
+        for i in nl.affine_range(rows // 128):
+            lo = nl.program_id(0) * rows + i * 128
+            t = nl.load(x[lo:lo + 128, :])
+            nl.store(out[lo:lo + 128, :], nl.multiply(t, 2.0))
+        return out
+
+    monkeypatch.setenv("NKI_NC_VERSION", "gen3")
+    x = RNG.standard_normal((256, 64)).astype(np.float32)
+    for lnc in (1, 2):
+        np.testing.assert_array_equal(np.asarray(nki.cpu_simulate(double_rows)[lnc](x=x)), 2 * x)
+    with pytest.raises(ValueError, match="logical core count"):
+        nki.cpu_simulate(double_rows)[0]
