@@ -371,6 +371,13 @@ def rms_norm(x, w, axis=-1, n=None, epsilon=1e-6, dtype=None, compute_dtype=None
     return out
 
 
+class NKIObject:
+    """Base of a kernel's configuration objects (``@dataclass class Config(nl.NKIObject)``),
+    as AWS's kernel library writes them: the compiler treats them as compile-time values;
+    the simulator passes them to the kernel as the Python objects they are."""
+    __slots__ = ()
+
+
 # ------------------------------------------------------- shapes, buffers, constants, random
 def is_psum(buffer):
     """Whether ``buffer`` (a buffer or a tensor) is PSUM."""

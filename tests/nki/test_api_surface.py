@@ -209,3 +209,23 @@ def test_cpu_simulate_as_nki_librarys_harness_calls_it(monkeypatch):
         np.testing.assert_array_equal(np.asarray(nki.cpu_simulate(double_rows)[lnc](x=x)), 2 * x)
     with pytest.raises(ValueError, match="logical core count"):
         nki.cpu_simulate(double_rows)[0]
+
+
+def test_nkiobject_configs_pass_into_kernels():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Scale(nl.NKIObject):
+        factor: float = 1.0
+        add: float = 0.0
+
+    @nki.jit
+    def scale(x, cfg):
+        out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+        nl.store(out, nl.add(nl.multiply(nl.load(x), cfg.factor), cfg.add))
+        return out
+
+    x = RNG.standard_normal((64, 32)).astype(np.float32)
+    got = np.asarray(scale(x, Scale(factor=3.0, add=1.0)))
+    np.testing.assert_allclose(got, 3.0 * x + 1.0, rtol=1e-6)
+    assert isinstance(Scale(), nl.NKIObject)
