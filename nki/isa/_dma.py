@@ -10,8 +10,8 @@ from ._common import _T, _put
 from .constants import dge_mode, engine, oob_mode
 
 
-def dma_copy(dst, src, dst_rmw_op=None, oob_mode=oob_mode.error, dge_mode=dge_mode.unknown,
-             engine=engine.unknown, name=None, unique_indices=True):
+def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode.unknown,
+             engine=engine.unknown, name=None, unique_indices=True, dst_rmw_op=None):
     """Copy src to dst (HBM or SBUF; DMA cannot reach PSUM); dst_rmw_op=nl.add accumulates."""
     I = "dma_copy"
     _T(dst, "dst", I), _T(src, "src", I)
@@ -30,7 +30,8 @@ def dma_copy(dst, src, dst_rmw_op=None, oob_mode=oob_mode.error, dge_mode=dge_mo
         _put(dst, v)
 
 
-def dma_transpose(dst, src, axes=None, dge_mode=dge_mode.unknown, name=None):
+def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
+                  oob_mode=oob_mode.error, name=None):
     """Transpose while copying (2-D: swap axes; 3-D/4-D: permute by axes) with DMA."""
     I = "dma_transpose"
     _T(dst, "dst", I), _T(src, "src", I)

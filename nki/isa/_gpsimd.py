@@ -29,7 +29,7 @@ def _pattern_values(dst, pattern, offset, channel_multiplier, I):
     return int(offset) + ch + free[None, :]
 
 
-def iota(dst, pattern, offset, channel_multiplier=0, name=None):
+def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
     """dst[p, ...] = offset + p*channel_multiplier + sum(step_i * idx_i) on GpSimd."""
     I = "iota"
     _T(dst, "dst", I)
@@ -38,8 +38,8 @@ def iota(dst, pattern, offset, channel_multiplier=0, name=None):
     _put(dst, vals.astype(np.float32) if dst.dtype.is_float else vals)
 
 
-def affine_select(dst, pattern, offset, channel_multiplier, on_true_tile, on_false_value,
-                  cmp_op=None, name=None):
+def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value, cmp_op=None,
+                  offset=0, name=None):
     """dst = on_true where cmp_op(affine(p, i), 0) else on_false_value, on GpSimd."""
     I = "affine_select"
     _T(dst, "dst", I), _T(on_true_tile, "on_true_tile", I)
@@ -179,8 +179,9 @@ def rng(dst, engine=engine.unknown, name=None):
         dst.v[...] = g.integers(info.min, info.max, size=dst.shape, dtype=dst.dtype.storage, endpoint=True)
 
 
-def set_rng_seed(src, name=None):
+def set_rng_seed(src_seeds, name=None):
     sim = _ctx.current()
     _tensore.drain()
+    src = src_seeds
     seed = int(np.asarray(src.v).reshape(-1)[0]) if isinstance(src, NkiTensor) else int(src)
     sim._rng = np.random.default_rng(seed)

@@ -165,6 +165,60 @@ class NkiTensor:
     def view(self, dtype):
         raise E.UnsupportedError("NkiTensor.view(dtype) (bit-casting a tensor) is not implemented")
 
+    def ap(self, pattern, offset=None, scalar_offset=None, vector_offset=None, indirect_dim=0,
+           dtype=None):
+        """An explicit access pattern over this tensor's storage, as AWS's ``NkiTensor.ap``:
+        ``pattern`` is ``[[stride, count], ...]`` in elements, the first pair stepping
+        partitions for an on-chip tensor (its stride a multiple of the allocation's
+        partition pitch), ``offset`` elements added to this view's start. A view that writes
+        through, like indexing."""
+        if scalar_offset is not None or vector_offset is not None:
+            raise E.UnsupportedError("NkiTensor.ap: indirect access patterns (scalar_offset, "
+                                     "vector_offset) are not implemented in this simulator")
+        if dtype is not None and getattr(dtype, "name", dtype) != self.dtype.name and dtype != self.dtype:
+            raise E.UnsupportedError("NkiTensor.ap: reinterpreting the storage as another dtype is "
+                                     "not implemented in this simulator")
+        pat = [(int(st), int(n)) for st, n in pattern]
+        if not pat or any(n <= 0 for _, n in pat):
+            rules.fail(E.ShapeMismatchError, f"ap: every count must be positive, got pattern {pattern}")
+        base = self.buf.data
+        item = base.itemsize
+        start = (self.v.__array_interface__["data"][0] - self.buf.ptr)
+        if self.kind == "hbm":
+            if not base.flags.c_contiguous:
+                raise E.UnsupportedError("NkiTensor.ap over a non-contiguous HBM array")
+            start = start // item + (offset or 0)
+            span = [(st * (n - 1)) for st, n in pat]
+            lo, hi = start + sum(min(0, x) for x in span), start + sum(max(0, x) for x in span)
+            if lo < 0 or hi >= base.size:
+                rules.fail(E.IndexOutOfBoundsError, f"ap: pattern {pattern} at offset {start} reaches "
+                           f"elements [{lo}, {hi}] of {self.name!r}, which holds {base.size}")
+            byte_strides = [st * item for st, _ in pat]
+            origin = start * item
+        else:
+            pitch = math.prod(base.shape[1:]) if base.ndim > 1 else 1
+            p0, f0 = divmod(start // base.strides[0] * pitch + (start % base.strides[0]) // item
+                            + (offset or 0), pitch)
+            pst, pn = pat[0]
+            if pst % pitch:
+                rules.fail(E.ShapeMismatchError, f"ap: the partition stride {pst} of {pattern} is not "
+                           f"a multiple of {self.name!r}'s partition pitch {pitch}")
+            free_span = [(st * (n - 1)) for st, n in pat[1:]]
+            flo, fhi = f0 + sum(min(0, x) for x in free_span), f0 + sum(max(0, x) for x in free_span)
+            plast = p0 + (pst // pitch) * (pn - 1)
+            if min(p0, plast) < 0 or max(p0, plast) >= base.shape[0] or flo < 0 or fhi >= pitch:
+                rules.fail(E.IndexOutOfBoundsError, f"ap: pattern {pattern} (partition {p0}, element {f0}) "
+                           f"leaves {self.name!r} of shape {tuple(base.shape)}")
+            if base.ndim > 1 and base.strides[-1] != item:
+                raise E.UnsupportedError("NkiTensor.ap over a tile whose rows are not contiguous")
+            byte_strides = [(pst // pitch) * base.strides[0]] + [st * item for st, _ in pat[1:]]
+            origin = p0 * base.strides[0] + f0 * item
+        # Address the allocation's memory directly (bounds checked above), as_strided-style.
+        first = np.lib.stride_tricks.as_strided(base, shape=(origin // item + 1,), strides=(item,))
+        v = np.lib.stride_tricks.as_strided(first[origin // item:], shape=tuple(n for _, n in pat),
+                                            strides=tuple(byte_strides))
+        return NkiTensor(self.buf, v)
+
     def box(self):
         """Region this view touches, for dependency tracking: (space, bounds tuple)."""
         if self._box is None:

@@ -229,3 +229,53 @@ def test_nkiobject_configs_pass_into_kernels():
     got = np.asarray(scale(x, Scale(factor=3.0, add=1.0)))
     np.testing.assert_allclose(got, 3.0 * x + 1.0, rtol=1e-6)
     assert isinstance(Scale(), nl.NKIObject)
+
+
+def test_access_patterns_address_storage_like_as_strided():
+    a = RNG.standard_normal((64, 48)).astype(np.float32)
+
+    @nki.jit
+    def kernel(x):
+        # HBM: rows 2..9 step 2 of the flat storage, columns 0..15 step 3, from element 5.
+        t = nl.ndarray((4, 16), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x.ap(pattern=[[96, 4], [3, 16]], offset=5))
+        # SBUF: partitions 0..3, reversed pairs of the free dim through the pattern.
+        u = nl.ndarray((4, 8), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=u, src=t.ap(pattern=[[16, 4], [2, 8]], offset=1))
+        out = nl.ndarray((4, 16), dtype=x.dtype, buffer=nl.shared_hbm)
+        out2 = nl.ndarray((4, 8), dtype=x.dtype, buffer=nl.shared_hbm)
+        nl.store(out, t)
+        # Writes through a pattern land in the storage it names.
+        nisa.dma_copy(dst=out2.ap(pattern=[[8, 4], [1, 8]]), src=u)
+        return out, out2
+
+    t, u = kernel(a)
+    flat = a.reshape(-1)
+    want_t = np.lib.stride_tricks.as_strided(flat[5:], shape=(4, 16), strides=(96 * 4, 3 * 4))
+    np.testing.assert_array_equal(np.asarray(t), want_t)
+    tf = want_t.reshape(-1)
+    want_u = np.lib.stride_tricks.as_strided(tf[1:], shape=(4, 8), strides=(16 * 4, 2 * 4))
+    np.testing.assert_array_equal(np.asarray(u), want_u)
+
+
+def test_access_patterns_refuse_leaving_the_tensor():
+    @nki.jit
+    def kernel(x):
+        t = nl.ndarray((4, 16), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x.ap(pattern=[[16, 4], [1, 16]], offset=60))
+        out = nl.ndarray((4, 16), dtype=x.dtype, buffer=nl.shared_hbm)
+        nl.store(out, t)
+        return out
+    with pytest.raises(E.IndexOutOfBoundsError, match="ap: pattern"):
+        kernel(np.zeros((4, 16), np.float32))
+
+    @nki.jit
+    def kernel2(x):
+        t = nl.load(x)
+        u = nl.ndarray((2, 16), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=u, src=t.ap(pattern=[[10, 2], [1, 16]]))
+        out = nl.ndarray((2, 16), dtype=x.dtype, buffer=nl.shared_hbm)
+        nl.store(out, u)
+        return out
+    with pytest.raises(E.ShapeMismatchError, match="partition pitch"):
+        kernel2(np.zeros((4, 16), np.float32))

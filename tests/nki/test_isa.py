@@ -198,7 +198,7 @@ def test_memset_and_iota(dtype):
 
 def test_affine_select_causal_mask():
     x = rand((128, 128))
-    r = run_instr(lambda d, t: nisa.affine_select(d, [[-1, 128]], 0, 1, t, -1e4, cmp_op=nl.greater_equal),
+    r = run_instr(lambda d, t: nisa.affine_select(d, [[-1, 128]], 1, t, -1e4, cmp_op=nl.greater_equal, offset=0),
                   [x], (128, 128), "float32")
     np.testing.assert_array_equal(r, np.where(np.tril(np.ones((128, 128))) > 0, x, np.float32(-1e4)))
 
