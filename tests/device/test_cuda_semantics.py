@@ -219,3 +219,16 @@ def test_tensor_metadata_is_kept_and_survives_save_load_and_detach():
     assert torch._utils.get_tensor_metadata(y) == {"packed": True, "sharded": False}
     torch._utils.set_tensor_metadata(y, {"packed": False})
     assert torch._utils.get_tensor_metadata(x)["packed"] is True  # each tensor its own map
+
+
+# --- Warnings: neuron warns where CPU warns, not more ---------------------------------------
+def test_first_call_of_a_loss_warns_no_more_than_cpu():
+    import warnings
+    x, y = torch.randn(3, 5, 7, 2), torch.randn(3, 5, 7, 2)
+    for dev in ("cpu", DEV):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            a = x.to(dev).requires_grad_()
+            F.mse_loss(a, y.to(dev)).backward()   # a signature seen for the first time
+        msgs = [str(w.message) for w in caught if "resized" in str(w.message)]
+        assert msgs == [], (dev, msgs)
