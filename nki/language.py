@@ -372,10 +372,50 @@ def rms_norm(x, w, axis=-1, n=None, epsilon=1e-6, dtype=None, compute_dtype=None
 
 
 class NKIObject:
-    """Base of a kernel's configuration objects (``@dataclass class Config(nl.NKIObject)``),
-    as AWS's kernel library writes them: the compiler treats them as compile-time values;
-    the simulator passes them to the kernel as the Python objects they are."""
-    __slots__ = ()
+    """Base of a kernel's configuration objects, as AWS's NKI defines it: subclasses "work
+    like dataclasses, with or without @dataclass", and take their attributes (annotated
+    fields or plain class attributes) as keyword arguments, as AWS's kernel library builds
+    them (``SectionParams(section_idx=0, ...)`` on a dataclass with no annotated fields).
+    The simulator passes them to kernels as the Python objects they are."""
+
+    def __init__(self, **kwargs):
+        for k, v in kwargs.items():
+            object.__setattr__(self, k, v)
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        # Put the keyword constructor in the subclass itself, where @dataclass (applied
+        # afterwards) leaves an existing __init__ alone; positional and defaulted dataclass
+        # fields are still honoured, from the fields @dataclass records.
+        if "__init__" not in cls.__dict__:
+            cls.__init__ = _nki_object_init
+
+
+def _nki_object_init(self, *args, **kwargs):
+    import dataclasses
+    if dataclasses.is_dataclass(self):
+        fields = [f for f in dataclasses.fields(self) if f.init]
+        if len(args) > len(fields):
+            raise TypeError(f"{type(self).__name__}() takes {len(fields)} positional arguments "
+                            f"but {len(args)} were given")
+        for f, a in zip(fields, args):
+            object.__setattr__(self, f.name, a)
+        for f in fields[len(args):]:
+            if f.name in kwargs:
+                object.__setattr__(self, f.name, kwargs.pop(f.name))
+            elif f.default is not dataclasses.MISSING:
+                object.__setattr__(self, f.name, f.default)
+            elif f.default_factory is not dataclasses.MISSING:
+                object.__setattr__(self, f.name, f.default_factory())
+            else:
+                raise TypeError(f"{type(self).__name__}() missing required argument {f.name!r}")
+    elif args:
+        raise TypeError(f"{type(self).__name__}() takes keyword arguments only")
+    for k, v in kwargs.items():
+        object.__setattr__(self, k, v)
+    post = getattr(self, "__post_init__", None)
+    if post is not None:
+        post()
 
 
 # ------------------------------------------------------- shapes, buffers, constants, random

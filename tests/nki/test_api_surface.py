@@ -279,3 +279,29 @@ def test_access_patterns_refuse_leaving_the_tensor():
         return out
     with pytest.raises(E.ShapeMismatchError, match="partition pitch"):
         kernel2(np.zeros((4, 16), np.float32))
+
+
+def test_nkiobject_takes_plain_class_attributes_by_keyword():
+    # As AWS's kernel library writes some configs: @dataclass with unannotated attributes,
+    # built by keyword (AWS: NKIObject.__init__(**kwargs)); annotated fields stay dataclass-like.
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class Section(nl.NKIObject):
+        idx = None
+        offset = None
+
+    s = Section(idx=2, offset=256)
+    assert (s.idx, s.offset) == (2, 256)
+
+    @dataclass
+    class Tiles(nl.NKIObject):
+        p: int
+        f: int = 512
+        groups: list = field(default_factory=list)
+
+    t = Tiles(128)
+    assert (t.p, t.f, t.groups) == (128, 512, [])
+    assert Tiles(64, f=32) == Tiles(64, 32)
+    with pytest.raises(TypeError, match="missing required argument 'p'"):
+        Tiles()
