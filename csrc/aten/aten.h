@@ -36,4 +36,15 @@ bool add_dtype_policy_op(const std::string& name, const std::string& overload);
 // Ops that had to wait for the device although asynchronous launch was on, by name.
 std::vector<std::pair<std::string, int64_t>> sync_op_counts(bool reset);
 
+namespace compiled {
+// The most arguments a compiled kernel can take through launch_kernel.
+constexpr size_t kMaxArgs = 512;
+// Queue `fn`, an Inductor C++ kernel (extern "C", arguments pointers and int64 sizes), on
+// the current stream of its tensors' device. kinds: one letter per argument, 'r' a pointer
+// the kernel reads, 'w' one it writes, 'i' an int64; `tensors` gives the pointer arguments
+// in order, `words` every argument as a 64-bit word.
+void launch_kernel(void* fn, const std::string& name, const std::string& kinds,
+                   std::vector<at::Tensor> tensors, std::vector<int64_t> words);
+}  // namespace compiled
+
 }  // namespace neuron

@@ -238,6 +238,35 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_set_quiet", &neuron::set_quiet);
   m.def("_quiet", &neuron::quiet);
   m.def("_drain_op_records", &neuron::drain_records);
+  // _launch_kernel(entry, name, kinds, *args): a compiled graph's C++ kernel on the queue
+  // (csrc/aten/compiled.cpp); entry is the kernel's address, args tensors and ints.
+  m.def("_launch_kernel", [](pybind11::args args) {
+    TORCH_CHECK(args.size() >= 3, "_launch_kernel(entry, name, kinds, *args)");
+    auto* fn = reinterpret_cast<void*>(args[0].cast<uintptr_t>());
+    auto name = args[1].cast<std::string>();
+    auto kinds = args[2].cast<std::string>();
+    const size_t n = args.size() - 3;
+    TORCH_CHECK(kinds.size() == n, "compiled kernel ", name, ": ", kinds.size(),
+                " argument kinds for ", n, " arguments");
+    std::vector<at::Tensor> tensors;
+    std::vector<int64_t> words;
+    tensors.reserve(n);
+    words.reserve(n);
+    for (size_t i = 0; i < n; ++i) {
+      PyObject* a = args[i + 3].ptr();
+      if (kinds[i] == 'i') {
+        words.push_back(args[i + 3].cast<int64_t>());
+        continue;
+      }
+      TORCH_CHECK(THPVariable_Check(a), "compiled kernel ", name, ": argument ", i,
+                  " should be a tensor");
+      const at::Tensor& t = THPVariable_Unpack(a);
+      words.push_back(reinterpret_cast<int64_t>(t.data_ptr()));
+      tensors.push_back(t);
+    }
+    pybind11::gil_scoped_release no_gil;
+    neuron::compiled::launch_kernel(fn, name, kinds, std::move(tensors), std::move(words));
+  });
   m.def("_set_dtype_policy", [](pybind11::object policy) {
     Py_XDECREF(g_retry_policy);
     g_retry_policy = policy.inc_ref().ptr();

@@ -40,7 +40,7 @@ import warnings
 
 import torch
 
-from . import cache, codegen, passes
+from . import cache, codegen, host, passes
 from .decompositions import install as install_decompositions
 
 log = logging.getLogger(__name__)
@@ -75,8 +75,8 @@ def _compile_graph(gm, example_inputs, *, decompositions=None, config_patches=No
     # Inductor's table (with the neuron rules installed into it) is used when no table is
     # passed; passing one explicitly would make the FX graph cache bypass the graph.
     install_decompositions()
-    return compile_fx(gm, example_inputs, decompositions=decompositions,
-                      config_patches=patches)
+    return compile_fx(gm, example_inputs, inner_compile=host.inner_compile,
+                      decompositions=decompositions, config_patches=patches)
 
 
 def neuron_backend(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None,
@@ -94,6 +94,7 @@ def neuron_backend(gm: torch.fx.GraphModule, example_inputs, *, mode=None, optio
     try:
         passes.check_graph(gm)
         gm = passes.lower_flex_attention(gm)
+        passes.note_source_lines(gm)
         return _compile_graph(gm, example_inputs, config_patches=inductor_patches)
     except Exception as exc:  # noqa: BLE001 - reported or turned into fallback below
         err = passes.explain_failure(exc, gm)

@@ -16,6 +16,8 @@ the ``neuron`` device:
 from __future__ import annotations
 
 import functools
+import threading
+
 import torch
 
 _DEVICE = "neuron"
@@ -66,6 +68,59 @@ def _patch_inductor_host_checks() -> None:
     scheduler.BaseSchedulerNode.is_cpu = node_is_cpu
 
 
+def _arg_kinds(arg_types) -> str | None:
+    """'r'/'w'/'i' per kernel argument (read pointer, written pointer, int64), else None."""
+    if not arg_types:
+        return None
+    kinds = []
+    for t in arg_types:
+        t = str(t).strip()
+        if t.endswith("*"):
+            kinds.append("r" if t.startswith("const ") else "w")
+        elif t.replace("const ", "").strip() in ("int64_t", "long", "int64_t&"):
+            kinds.append("i")
+        else:
+            return None
+    return "".join(kinds)
+
+
+def _user_line(nodes) -> str | None:
+    """The user's source line of the first FX node fused into a kernel that has one.
+
+    Nodes of the ATen graphs Inductor compiles carry no stack trace; their provenance
+    (``from_node``) leads back to the Dynamo graph's nodes, whose lines the backend noted
+    (``passes.note_source_lines``).
+    """
+    from .passes import source_line_of
+    for snode in nodes:
+        for n in snode.get_nodes():
+            origins = getattr(getattr(n, "node", None), "origins", None) or ()
+            for fx_node in sorted(origins, key=lambda o: o.name):
+                where = source_line_of(fx_node)
+                if where:
+                    return where
+    return None
+
+
+_entries: dict = {}
+# The neuron device whose graph compiles as a host graph on this thread (host.py).
+_host = threading.local()
+
+
+def kernel_entry(kernel) -> int:
+    """The address of an Inductor C++ kernel's ``extern "C" kernel`` function."""
+    addr = _entries.get(kernel)
+    if addr is None:
+        import ctypes
+        path = getattr(getattr(kernel, "__self__", None), "__file__", None)
+        if path is None:
+            raise RuntimeError(f"neuron: compiled kernel {kernel!r} has no shared library "
+                               "to launch it from")
+        addr = ctypes.cast(ctypes.CDLL(path).kernel, ctypes.c_void_p).value
+        _entries[kernel] = addr
+    return addr
+
+
 @functools.cache
 def _classes():
     # Inductor is imported only when something compiles; keep ``import torch`` fast.
@@ -83,7 +138,14 @@ def _classes():
         def define_kernel(self, src_code, nodes, kernel_args=None):
             # One definition per emitted kernel launch (flush or template): cost it here.
             cost.record_kernel_nodes(nodes)
-            return super().define_kernel(src_code, nodes, kernel_args)
+            name = super().define_kernel(src_code, nodes, kernel_args)
+            where = _user_line(nodes)
+            if where:
+                # Named in the device's error reports: the launch site is generated code.
+                if not hasattr(V.graph, "_neuron_origins"):
+                    V.graph._neuron_origins = {}
+                V.graph._neuron_origins[name] = where
+            return name
 
     class NeuronWrapperCodegen(PythonWrapperCodegen):
         """Python wrapper launching C++ kernels on neuron buffers (device memory = host)."""
@@ -99,28 +161,82 @@ def _classes():
             super().write_header()
             self.header.splice("import torch_neuronx.compile.cost as _neuron_cost")
             self.header.splice("from torch_neuronx import _C as _neuron_rt")
+            self.header.splice("from torch_neuronx.compile.codegen import kernel_entry as "
+                               "_neuron_entry")
 
         def _generate_kernel_call_helper(self, kernel_name, call_args, *, device=None,
-                                         **kwargs):
+                                         triton=True, arg_types=None, **kwargs):
             device = device or V.graph.get_current_device_or_throw()
+            kinds = _arg_kinds(arg_types) if device.type == _DEVICE and not triton else None
+            if kinds is not None and len(kinds) == len(call_args):
+                # The kernel is a host function over raw pointers: it goes on the current
+                # stream's queue, in order with the graph's ATen ops and eager work.
+                args = "".join(f", {a}" for a in call_args)
+                where = getattr(V.graph, "_neuron_origins", {}).get(kernel_name)
+                label = f"{kernel_name} (compiled from {where})" if where else kernel_name
+                self.writeline(f"_neuron_rt._launch_kernel(_neuron_entry({kernel_name}), "
+                               f"{label!r}, {kinds!r}{args})")
+                return
             if device.type == _DEVICE:
-                # The kernel is a host function over raw pointers; launch it as a CPU one,
-                # once the device's queue has produced its inputs (ATen ops of the graph and
-                # eager work before it run asynchronously).
+                # Arguments the queue cannot take (floats): run it here, once the device's
+                # queue has produced its inputs.
                 self.writeline("_neuron_rt._synchronize_all()")
                 device = torch.device("cpu")
             super()._generate_kernel_call_helper(kernel_name, call_args, device=device,
+                                                 triton=triton, arg_types=arg_types,
                                                  **kwargs)
 
         def generate_return(self, output_refs) -> None:
             # Emitted last in call(), once every kernel is known (symbolic sizes are bound
             # by then): the graph's modelled cost is charged on every run.
-            graph_cost = cost.wrapper_cost_expr()
+            graph_cost = cost.wrapper_cost_expr(getattr(_host, "index", None))
             if graph_cost is not None:
                 self.wrapper_call.writeline(graph_cost)
             super().generate_return(output_refs)
 
-    return NeuronScheduling, NeuronWrapperCodegen
+    class NeuronHostWrapperCodegen(NeuronWrapperCodegen):
+        """The wrapper of a neuron graph compiled as a host graph (``host.py``).
+
+        Inductor sees ``cpu`` everywhere; the buffers it allocates and the device arguments
+        it passes to library calls are neuron ones.
+        """
+
+        @staticmethod
+        def create(is_subgraph, subgraph_name, parent_wrapper, partition_signatures=None):
+            if is_subgraph:
+                return SubgraphPythonWrapperCodegen(subgraph_name, parent_wrapper,
+                                                    partition_signatures)
+            return NeuronHostWrapperCodegen()
+
+        def make_allocation(self, name, device, dtype, shape, stride, allocation_shape=None,
+                            is_pinned=False):
+            if device.type == "cpu":
+                device = torch.device(_DEVICE)
+            return super().make_allocation(name, device, dtype, shape, stride,
+                                           allocation_shape, is_pinned)
+
+        def val_to_arg_str(self, s, type_=None):
+            if isinstance(s, torch.device) and s.type == "cpu":
+                s = torch.device(_DEVICE)
+            return super().val_to_arg_str(s, type_)
+
+        def _generate_kernel_call_helper(self, kernel_name, call_args, *, device=None,
+                                         **kwargs):
+            device = device or V.graph.get_current_device_or_throw()
+            if device.type == "cpu":
+                device = torch.device(_DEVICE)
+            super()._generate_kernel_call_helper(kernel_name, call_args, device=device,
+                                                 **kwargs)
+
+    return NeuronScheduling, NeuronWrapperCodegen, NeuronHostWrapperCodegen
+
+
+def host_classes(index: int | None):
+    """(scheduling, wrapper) Inductor's ``cpu`` entry uses while a host graph of neuron
+    device ``index`` compiles on this thread (None: the compile has ended)."""
+    _host.index = index
+    scheduling, _, wrapper = _classes()
+    return scheduling, wrapper
 
 
 class _Forward(type):

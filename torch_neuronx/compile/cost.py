@@ -121,8 +121,11 @@ def _extern_entries(graph):
     return out
 
 
-def wrapper_cost_expr() -> str | None:
-    """A line of Python for the generated ``call()``: charges this graph's modelled cost."""
+def wrapper_cost_expr(index: int | None = None) -> str | None:
+    """A line of Python for the generated ``call()``: charges this graph's modelled cost.
+
+    ``index``: the neuron device charged (default: the graph's device).
+    """
     import sympy
     from torch._inductor import ir
     from torch._inductor.virtualized import V
@@ -146,12 +149,12 @@ def wrapper_cost_expr() -> str | None:
         return str(int(graph.sizevars.optimization_hint(expr, fallback=1)))
 
     kernels = [f"({py(v)}, {py(s)}, {py(b)})" for _, v, s, b in getattr(graph, "_neuron_kernels", [])]
-    externs = [f"({name!r}, [{', '.join('(' + ', '.join(py(d) for d in sh) + ',)' for sh in shapes)}], {isz})"
+    externs = [f"({name!r}, [{', '.join('(' + ''.join(py(d) + ', ' for d in sh) + ')' for sh in shapes)}], {isz})"
                for name, shapes, isz in _extern_entries(graph)]
     if not kernels and not externs:
         return None
-    device = graph.get_current_device_or_throw() if hasattr(graph, "get_current_device_or_throw") else None
-    index = getattr(device, "index", None) or 0
+    if index is None:
+        index = graph.get_current_device_or_throw().index or 0
     name = getattr(graph, "name", None) or "graph"
     phase = graph.get_training_phase() if hasattr(graph, "get_training_phase") else ""
     return (f"_neuron_cost.charge({index}, {phase!r}, [{', '.join(kernels)}], "

@@ -43,6 +43,37 @@ def _source_line(node) -> str:
     return last.replace("File ", "", 1) + code
 
 
+# (id of a Dynamo graph, node name) -> that node's user source line, for naming compiled
+# kernels in the device's error reports. Bounded: old graphs' lines are dropped.
+_lines: dict = {}
+_LINES_KEPT = 20000
+
+
+def note_source_lines(gm: torch.fx.GraphModule) -> None:
+    """Remember the user source line of each node of a Dynamo graph about to compile."""
+    if len(_lines) > _LINES_KEPT:
+        _lines.clear()
+    gid = id(gm.graph)
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module") and \
+                node.meta.get("stack_trace"):
+            _lines[(gid, node.name)] = _source_line(node)
+
+
+def source_line_of(node) -> str | None:
+    """The user source line an ATen-graph node came from (via its provenance), if known."""
+    if node.meta.get("stack_trace"):
+        return _source_line(node)
+    chain = node.meta.get("from_node") or []
+    while chain:
+        src = chain[-1]
+        where = _lines.get((src.graph_id, src.name))
+        if where:
+            return where
+        chain = src.from_node
+    return None
+
+
 def _op_name(target) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return str(target)   # "aten.foo.default"
@@ -118,7 +149,7 @@ def post_grad_pass():
 def _codegen_fingerprint() -> str:
     here = os.path.dirname(__file__)
     h = hashlib.sha256()
-    for name in ("codegen.py", "cost.py", "flex.py", "decompositions.py"):
+    for name in ("codegen.py", "cost.py", "flex.py", "decompositions.py", "host.py"):
         path = os.path.join(here, name)
         if os.path.exists(path):
             with open(path, "rb") as f:
