@@ -253,8 +253,9 @@ def _add_time(device: int, name: str, seconds: float, *, engine: str, launches: 
     """Add work that the op records cannot see: fused kernels of compiled graphs (engine
     "fused"), NKI kernels ("nki", from the simulator's engine timeline) and collectives
     ("collective", bytes over the interconnect)."""
-    from .neuron import _index
-    device = _index(device)
+    if type(device) is not int:
+        from .neuron import _index
+        device = _index(device)
     with _lock:
         t = _total(device)
         t.seconds += seconds

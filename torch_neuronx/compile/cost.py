@@ -149,7 +149,7 @@ def wrapper_cost_expr(index: int | None = None) -> str | None:
         return str(int(graph.sizevars.optimization_hint(expr, fallback=1)))
 
     kernels = [f"({py(v)}, {py(s)}, {py(b)})" for _, v, s, b in getattr(graph, "_neuron_kernels", [])]
-    externs = [f"({name!r}, [{', '.join('(' + ''.join(py(d) + ', ' for d in sh) + ')' for sh in shapes)}], {isz})"
+    externs = [f"({name!r}, ({''.join('(' + ''.join(py(d) + ', ' for d in sh) + '), ' for sh in shapes)}), {isz})"
                for name, shapes, isz in _extern_entries(graph)]
     if not kernels and not externs:
         return None
@@ -157,8 +157,8 @@ def wrapper_cost_expr(index: int | None = None) -> str | None:
         index = graph.get_current_device_or_throw().index or 0
     name = getattr(graph, "name", None) or "graph"
     phase = graph.get_training_phase() if hasattr(graph, "get_training_phase") else ""
-    return (f"_neuron_cost.charge({index}, {phase!r}, [{', '.join(kernels)}], "
-            f"[{', '.join(externs)}])")
+    return (f"_neuron_cost.charge({index}, {phase!r}, ({''.join(k + ', ' for k in kernels)}), "
+            f"({''.join(e + ', ' for e in externs)}))")
 
 
 @dataclass
@@ -211,11 +211,22 @@ def _extern_seconds(p, lnc, name, shapes, itemsize):
     return p.launch_overhead_ns * 1e-9 + max(compute, hbm), nbytes
 
 
-def charge(device: int, phase: str, kernels, externs) -> None:
-    """Called by generated code on every run of a compiled graph."""
-    from .. import _state, cost_model
-    cfg = _state.config()
-    p, lnc = cfg.profile, cfg.lnc
+_costs: dict = {}
+
+
+def _graph_cost(p, lnc, kernels, externs):
+    # Keyed on the profile's identity: hashing the frozen profile dataclass on every call
+    # would cost more than the sum it saves.
+    key = (id(p), lnc, kernels, externs)
+    got = _costs.get(key)
+    if got is None:
+        if len(_costs) > 4096:
+            _costs.clear()
+        got = _costs[key] = _graph_cost_uncached(p, lnc, kernels, externs)
+    return got
+
+
+def _graph_cost_uncached(p, lnc, kernels, externs):
     k_sec = 0.0
     k_bytes = 0
     for vec, sca, nbytes in kernels:
@@ -227,8 +238,26 @@ def charge(device: int, phase: str, kernels, externs) -> None:
         s, b = _extern_seconds(p, lnc, name, shapes, itemsize)
         e_sec += s
         e_bytes += b
+    return k_sec, k_bytes, e_sec, e_bytes
+
+
+def charge(device: int, phase: str, kernels, externs) -> None:
+    """Called by generated code on every run of a compiled graph.
+
+    ``kernels``/``externs`` are tuples (hashable): the cost of one graph at one set of
+    sizes is computed once, a run only adds it up (it is on every compiled call's path).
+    """
+    from .. import _state, cost_model
+    cfg = _state.config()
+    p, lnc = cfg.profile, cfg.lnc
+    try:
+        k_sec, k_bytes, e_sec, e_bytes = _graph_cost(p, lnc, kernels, externs)
+    except TypeError:   # lists, from code generated before the arguments became tuples
+        k_sec, k_bytes, e_sec, e_bytes = _graph_cost_uncached(p, lnc, kernels, externs)
     with _lock:
-        g = _graph_totals.setdefault(device, GraphTime(platform=p.name))
+        g = _graph_totals.get(device)
+        if g is None:
+            g = _graph_totals[device] = GraphTime(platform=p.name)
         g.seconds += k_sec + e_sec
         g.kernel_seconds += k_sec
         g.extern_seconds += e_sec
