@@ -102,11 +102,14 @@ def test_fused_kernels_add_to_modelled_time():
     out = cf(x.to(DEV))
     _close(out, f(x))
     g = torch_neuronx.compile.modelled_graph_time()
-    assert g.runs == 1 and g.launches == 1            # one fused kernel, no extern call
+    assert g.runs == 1 and g.launches == 1            # one program
     # One HBM round trip: read x once, write the 64 sums.
     assert g.hbm_bytes == 64 * 256 * 4 + 64 * 4
     t = torch_neuronx.modelled_time()
-    assert t.by_op["compiled_kernel"] == pytest.approx(g.kernel_seconds)
+    assert t.by_op["compiled_graph"] == pytest.approx(g.kernel_seconds)
+    (label, rec), = g.by_graph.items()
+    assert "test_backend.py" in label and rec.runs == 1 and rec.bound
+    assert rec.busy["vector"] > 0 and rec.busy["scalar"] > 0 and rec.busy["dma"] > 0
 
 
 def test_fullgraph_and_graph_break_fallback():

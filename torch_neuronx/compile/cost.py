@@ -1,23 +1,16 @@
 """Modelled Trainium latency of compiled graphs.
 
 At compile time (inside Inductor's code generation) every kernel of a graph is described by
-what decides its cost on a NeuronCore:
-
-- a fused kernel (one generated C++ loop nest = one Trainium kernel): one launch, one HBM
-  round trip (each buffer it reads from or writes to HBM moves once; intermediates stay
-  on chip), and its element-wise/reduction work on VectorE, transcendentals on ScalarE
-  (the two engines run in parallel);
-- an extern kernel (matmul, convolution, attention, any op Inductor calls as a library
-  function): it runs through the eager device, whose runtime already accounts for it
-  (``torch_neuronx.cost_model``), so only its estimate for the graph report is kept here,
-  TensorE systolic-array cycles for matmuls.
-
-The sizes are kept as expressions of the graph's symbolic sizes and emitted into the
-generated wrapper, which calls ``charge`` each time the compiled graph runs: the modelled
-time of the fused kernels is added to the device's modelled time
-(``torch_neuronx.modelled_time()``), and the whole graph's time to the per-graph report
-(``modelled_graph_time()``). Because the numbers live in the generated code, graphs loaded
-from the persistent compile cache are costed as well.
+what decides its cost on a NeuronCore: a fused kernel (one generated C++ loop nest) by its
+element-wise/reduction work (VectorE), its transcendentals (ScalarE) and the HBM buffers it
+reads and writes (intermediates stay on chip); an extern kernel (matmul, convolution, any
+op Inductor calls as a library function) by its op and input sizes (TensorE for matmuls).
+The kernels, in program order, with the buffers they exchange, are emitted into the
+generated wrapper as expressions of the graph's symbolic sizes; each run calls ``charge``,
+which times the graph as one Trainium program on the NKI engine timeline (``program.py``;
+once per set of sizes) and adds it to the per-graph report (``modelled_graph_time()``).
+Because the description lives in the generated code, graphs loaded from the persistent
+compile cache are costed as well.
 """
 from __future__ import annotations
 
@@ -74,23 +67,63 @@ def record_kernel_nodes(nodes) -> None:
         reads |= {d.name for d in s.read_writes.reads}
         writes |= {d.name for d in s.read_writes.writes}
     nbytes = 0
+    hbm_reads, hbm_writes = [], []
     scheduler = V.graph.scheduler
-    for name in (reads - inside) | writes:
+    for name in sorted((reads - inside) | writes):
         if name in writes and name in inside:
             # Written inside the kernel: it reaches HBM only if something outside reads it.
             sbuf = scheduler.name_to_buf.get(name) if scheduler is not None else None
             users = {u.node for u in sbuf.users} if sbuf is not None else {None}
             if users and users <= set(snodes):
                 continue
-        buf = V.graph.name_to_buffer.get(name) or V.graph.graph_inputs.get(name)
-        if buf is None or isinstance(getattr(buf, "layout", None), (ir.NoneLayout,
-                                                                     ir.MultiOutputLayout)):
+        size = _buffer_bytes(name)
+        if size is None:
             continue
-        try:
-            nbytes = nbytes + sympy_product(buf.get_size()) * buf.get_dtype().itemsize
-        except (AttributeError, NotImplementedError):
+        nbytes = nbytes + size
+        (hbm_writes if name in writes else hbm_reads).append(name)
+    _kernel_list().append(("kernel", vec_ops, sca_ops, nbytes, tuple(hbm_reads),
+                           tuple(hbm_writes), frozenset(s.get_name() for s in snodes)))
+
+
+def _buffer_bytes(name):
+    """Bytes of a graph buffer or input (a sympy expression), None if it has no storage."""
+    from torch._inductor import ir
+    from torch._inductor.utils import sympy_product
+    from torch._inductor.virtualized import V
+    buf = V.graph.name_to_buffer.get(name) or V.graph.graph_inputs.get(name)
+    if buf is None or isinstance(getattr(buf, "layout", None), (ir.NoneLayout,
+                                                                 ir.MultiOutputLayout)):
+        return None
+    try:
+        return sympy_product(buf.get_size()) * buf.get_dtype().itemsize
+    except (AttributeError, NotImplementedError):
+        return None
+
+
+def _program(graph):
+    """The graph's kernels in program order: ("kernel", vec, sca, nbytes, reads, writes) and
+    ("extern", op, [input sizes...], itemsize, reads, writes), reads/writes buffer names."""
+    from torch._inductor.scheduler import ExternKernelSchedulerNode
+    kernels = list(getattr(graph, "_neuron_kernels", []))
+    owner = {name: i for i, k in enumerate(kernels) for name in k[6]}
+    externs = iter(_extern_entries(graph))
+    out, seen = [], set()
+    for s in getattr(graph.scheduler, "nodes", None) or []:
+        if isinstance(s, ExternKernelSchedulerNode):
+            name, shapes, itemsize = next(externs)
+            reads = tuple(sorted(d.name for d in s.read_writes.reads
+                                 if _buffer_bytes(d.name) is not None))
+            writes = tuple(sorted(b.get_name() for b in s.get_outputs()
+                                  if _buffer_bytes(b.get_name()) is not None))
+            out.append(("extern", name, shapes, itemsize, reads, writes))
             continue
-    _kernel_list().append(("kernel", vec_ops, sca_ops, nbytes))
+        for sub in s.get_nodes():
+            i = owner.get(sub.get_name())
+            if i is not None and i not in seen:
+                seen.add(i)
+                out.append(kernels[i][:6])
+    out += [k[:6] for i, k in enumerate(kernels) if i not in seen]
+    return out
 
 
 def _extern_entries(graph):
@@ -148,136 +181,175 @@ def wrapper_cost_expr(index: int | None = None) -> str | None:
             return f"({graph.wrapper_code.codegen_python_sizevar(expr)})"
         return str(int(graph.sizevars.optimization_hint(expr, fallback=1)))
 
-    kernels = [f"({py(v)}, {py(s)}, {py(b)})" for _, v, s, b in getattr(graph, "_neuron_kernels", [])]
-    externs = [f"({name!r}, ({''.join('(' + ''.join(py(d) + ', ' for d in sh) + '), ' for sh in shapes)}), {isz})"
-               for name, shapes, isz in _extern_entries(graph)]
-    if not kernels and not externs:
+    program = _program(graph)
+    if not program:
         return None
+    names: dict = {}
+
+    def ref(names_):
+        return "(" + "".join(f"{names.setdefault(n, len(names))}, " for n in names_) + ")"
+
+    items = []
+    for it in program:
+        if it[0] == "kernel":
+            _, v, sc, _, reads, writes = it
+            items.append(f"('kernel', {py(v)}, {py(sc)}, {ref(reads)}, {ref(writes)})")
+        else:
+            _, name, shapes, isz, reads, writes = it
+            sh = "(" + "".join("(" + "".join(py(d) + ", " for d in shape) + "), "
+                               for shape in shapes) + ")"
+            items.append(f"('extern', {name!r}, {sh}, {isz}, {ref(reads)}, {ref(writes)})")
+    bufs = "(" + "".join(py(_buffer_bytes(n)) + ", " for n in names) + ")"
     if index is None:
         index = graph.get_current_device_or_throw().index or 0
-    name = getattr(graph, "name", None) or "graph"
     phase = graph.get_training_phase() if hasattr(graph, "get_training_phase") else ""
-    return (f"_neuron_cost.charge({index}, {phase!r}, ({''.join(k + ', ' for k in kernels)}), "
-            f"({''.join(e + ', ' for e in externs)}))")
+    label = _graph_label(graph, phase)
+    return (f"_neuron_cost.charge({index}, {phase!r}, {label!r}, {bufs}, "
+            f"({''.join(i + ', ' for i in items)}))")
+
+
+def _graph_label(graph, phase) -> str:
+    """How reports name a graph: its phase and the user's line of its first kernel."""
+    where = next(iter(getattr(graph, "_neuron_origins", {}).values()), None)
+    return f"{phase or 'graph'} @ {where}" if where else (phase or "graph")
+
+
+@dataclass
+class GraphRecord:
+    """One compiled graph's modelled runs."""
+    runs: int = 0
+    seconds: float = 0.0                 # the graph as one program, per run summed
+    busy: dict = field(default_factory=lambda: defaultdict(float))   # engine -> seconds
+    hbm_bytes: float = 0.0
+    bound: str = ""                      # the engine (or "hbm") its time is bound by
 
 
 @dataclass
 class GraphTime:
-    """Modelled time of compiled graphs run since the last reset."""
+    """Modelled time of compiled graphs run since the last reset.
+
+    Each run of a graph is one program on the chip (``program.py``): one launch, engines
+    overlapping under data dependencies, HBM traffic only across kernel boundaries.
+    """
     platform: str
-    seconds: float = 0.0            # whole graphs: fused kernels + extern kernels
-    kernel_seconds: float = 0.0     # the fused kernels alone
-    extern_seconds: float = 0.0     # extern kernels (matmuls, library calls)
+    seconds: float = 0.0            # whole graphs, each as one program
+    kernel_seconds: float = 0.0     # what graphs add to torch_neuronx.modelled_time()
+    extern_seconds: float = 0.0     # their extern calls, as the eager runtime charges them
     launches: int = 0
     hbm_bytes: float = 0.0
     runs: int = 0
     by_phase: dict = field(default_factory=lambda: defaultdict(float))
+    by_engine: dict = field(default_factory=lambda: defaultdict(float))   # busy seconds
+    by_graph: dict = field(default_factory=dict)     # label -> GraphRecord
+
+    @property
+    def bound(self) -> str:
+        """The engine with the most busy time over all runs ("dma" = HBM/DMA bound)."""
+        return max(self.by_engine, key=self.by_engine.get) if self.by_engine else ""
 
     def __str__(self):
         phases = ", ".join(f"{k or 'graph'} {v * 1e3:.3f} ms" for k, v in self.by_phase.items())
+        engines = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in self.by_engine.items() if v)
         return (f"modelled {self.platform} compiled time: {self.seconds * 1e3:.3f} ms over "
                 f"{self.runs} graph runs, {self.launches} launches "
-                f"({self.hbm_bytes / 1e6:.1f} MB HBM; {phases})")
+                f"({self.hbm_bytes / 1e6:.1f} MB HBM; {phases}; engines busy ms: {engines})")
 
 
 _lock = threading.Lock()
 _graph_totals: dict = {}
 
 
-# Loop-body operations per engine instruction: VectorE's tensor_scalar applies two ALU ops
-# per element in one pass, ScalarE's activation computes func(x * scale + bias).
-_OPS_PER_INSTRUCTION = 2
-
-
-def _fused_seconds(p, lnc, vec, sca, nbytes):
-    vector = vec / _OPS_PER_INSTRUCTION / (p.vector_lanes * p.vector_clock * lnc)
-    scalar = sca / (p.vector_lanes * p.scalar_clock * lnc)
-    hbm = nbytes / p.core_hbm_bandwidth(lnc)
-    return p.launch_overhead_ns * 1e-9 + max(vector, scalar, hbm)
-
-
 def _extern_seconds(p, lnc, name, shapes, itemsize):
+    """What the eager runtime charges for one extern call (it runs as an eager op)."""
+    tensor, elems = _extern_work(p, lnc, name, shapes, itemsize)
+    nbytes = sum(math.prod(s) for s in shapes) * itemsize
+    hbm = nbytes / p.core_hbm_bandwidth(lnc)
+    compute = tensor if tensor is not None else elems / (p.vector_lanes * p.vector_clock * lnc)
+    return p.launch_overhead_ns * 1e-9 + max(compute, hbm)
+
+
+def _extern_work(p, lnc, name, shapes, itemsize):
+    """(TensorE seconds or None, elements it produces or passes over) of an extern call."""
     from .. import cost_model
     import torch
     base = name.split(".")[0]
     dims = cost_model._matmul_dims(base, [tuple(s) for s in shapes])
-    nbytes = sum(math.prod(s) for s in shapes) * itemsize
-    hbm = nbytes / p.core_hbm_bandwidth(lnc)
     if base in cost_model._TENSORE and dims is not None:
         dtype = {2: torch.bfloat16, 1: torch.float8_e4m3fn}.get(itemsize, torch.float32)
-        compute = cost_model._tensore_seconds(p, dims, dtype, lnc)
-    else:
-        compute = (nbytes / max(itemsize, 1)) / (p.vector_lanes * p.vector_clock * lnc)
-    return p.launch_overhead_ns * 1e-9 + max(compute, hbm), nbytes
+        batch, m, _, n = dims
+        return cost_model._tensore_seconds(p, dims, dtype, lnc), batch * m * n
+    return None, sum(math.prod(s) for s in shapes)
 
 
 _costs: dict = {}
 
 
-def _graph_cost(p, lnc, kernels, externs):
+def _graph_cost(p, lnc, bufs, items):
     # Keyed on the profile's identity: hashing the frozen profile dataclass on every call
     # would cost more than the sum it saves.
-    key = (id(p), lnc, kernels, externs)
+    key = (id(p), lnc, bufs, items)
     got = _costs.get(key)
     if got is None:
         if len(_costs) > 4096:
             _costs.clear()
-        got = _costs[key] = _graph_cost_uncached(p, lnc, kernels, externs)
+        from .program import simulate
+        prog = simulate(p, lnc, bufs, items,
+                        lambda name, shapes, isz: _extern_work(p, lnc, name, shapes, isz))
+        eager = sum(_extern_seconds(p, lnc, it[1], it[2], it[3]) for it in items
+                    if it[0] == "extern")
+        got = _costs[key] = (prog, eager)
     return got
 
 
-def _graph_cost_uncached(p, lnc, kernels, externs):
-    k_sec = 0.0
-    k_bytes = 0
-    for vec, sca, nbytes in kernels:
-        k_sec += _fused_seconds(p, lnc, vec, sca, nbytes)
-        k_bytes += nbytes
-    e_sec = 0.0
-    e_bytes = 0
-    for name, shapes, itemsize in externs:
-        s, b = _extern_seconds(p, lnc, name, shapes, itemsize)
-        e_sec += s
-        e_bytes += b
-    return k_sec, k_bytes, e_sec, e_bytes
-
-
-def charge(device: int, phase: str, kernels, externs) -> None:
+def charge(device: int, phase: str, label: str, bufs, items) -> None:
     """Called by generated code on every run of a compiled graph.
 
-    ``kernels``/``externs`` are tuples (hashable): the cost of one graph at one set of
-    sizes is computed once, a run only adds it up (it is on every compiled call's path).
+    ``bufs``: bytes of the HBM buffers its kernels exchange; ``items``: its kernels in
+    program order (``program.simulate``). Both are tuples: a graph at one set of sizes is
+    timed once, a run only adds it up (this is on every compiled call's path).
     """
     from .. import _state, cost_model
     cfg = _state.config()
     p, lnc = cfg.profile, cfg.lnc
-    try:
-        k_sec, k_bytes, e_sec, e_bytes = _graph_cost(p, lnc, kernels, externs)
-    except TypeError:   # lists, from code generated before the arguments became tuples
-        k_sec, k_bytes, e_sec, e_bytes = _graph_cost_uncached(p, lnc, kernels, externs)
+    prog, eager = _graph_cost(p, lnc, bufs, items)
+    # The extern calls run as eager ops, whose records the runtime already charges; the
+    # rest of the program's time is invisible to it and is added here.
+    rest = max(0.0, prog.seconds - eager)
     with _lock:
         g = _graph_totals.get(device)
         if g is None:
             g = _graph_totals[device] = GraphTime(platform=p.name)
-        g.seconds += k_sec + e_sec
-        g.kernel_seconds += k_sec
-        g.extern_seconds += e_sec
-        g.launches += len(kernels) + len(externs)
-        g.hbm_bytes += k_bytes + e_bytes
+        g.seconds += prog.seconds
+        g.kernel_seconds += rest
+        g.extern_seconds += eager
+        g.launches += prog.launches
+        g.hbm_bytes += prog.hbm_bytes
         g.runs += 1
-        g.by_phase[phase] += k_sec + e_sec
-        if kernels:
-            # Extern kernels execute through the eager runtime, which already counts them;
-            # the fused kernels are invisible to it, so they are added here.
-            cost_model._add_time(device, "compiled_kernel", k_sec, engine="fused",
-                                 launches=len(kernels), hbm_bytes=int(k_bytes))
+        g.by_phase[phase] += prog.seconds
+        r = g.by_graph.get(label)
+        if r is None:
+            r = g.by_graph[label] = GraphRecord()
+        r.runs += 1
+        r.seconds += prog.seconds
+        r.hbm_bytes += prog.hbm_bytes
+        r.bound = prog.bound
+        for e, sec in prog.busy.items():
+            g.by_engine[e] += sec
+            r.busy[e] += sec
+    if rest:
+        cost_model._add_time(device, "compiled_graph", rest, engine="fused",
+                             launches=prog.launches, hbm_bytes=prog.hbm_bytes)
 
 
 def modelled_graph_time(device=None, reset: bool = False) -> GraphTime:
     """Modelled Trainium time of the compiled graphs run on ``device`` since the last reset.
 
-    Each run of a compiled graph (forward or backward) adds its fused kernels (one launch and
-    one HBM round trip each) and its extern kernels (matmuls on TensorE). The fused kernels
-    also add into ``torch_neuronx.modelled_time()``, next to the eager ops.
+    Each run of a compiled graph (forward or backward) is one program on the chip: one
+    launch, its kernels' instructions on TensorE/VectorE/ScalarE/GpSimd/DMA overlapping
+    under data dependencies (``program.py``). ``by_graph`` holds each graph's total, engine
+    busy times, HBM bytes and what bounds it. The program's time beyond its extern calls
+    (which run as eager ops and are charged as such) also adds into
+    ``torch_neuronx.modelled_time()`` (``by_op["compiled_graph"]``).
     """
     from .. import _state
     from ..neuron import _index

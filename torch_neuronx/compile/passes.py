@@ -149,7 +149,7 @@ def post_grad_pass():
 def _codegen_fingerprint() -> str:
     here = os.path.dirname(__file__)
     h = hashlib.sha256()
-    for name in ("codegen.py", "cost.py", "flex.py", "decompositions.py", "host.py"):
+    for name in ("codegen.py", "cost.py", "flex.py", "decompositions.py", "host.py", "program.py"):
         path = os.path.join(here, name)
         if os.path.exists(path):
             with open(path, "rb") as f:
