@@ -99,6 +99,14 @@ def _matmul_dims(name: str, shapes: list):
     return None
 
 
+def kernel_latency_ns(p) -> float:
+    """The latency every kernel pays on the chip beyond its launch, however small its data:
+    a DMA brings its input to SBUF, an engine waits on that DMA's semaphore, the store DMA
+    waits on the engine's. Compiled graphs pay the same per kernel on the engine timeline
+    (``compile/program.py``), so eager and compiled times compare."""
+    return 2 * p.dma_fixed_ns + 2 * p.semaphore_ns
+
+
 def _tensore_seconds(p, dims, dtype: torch.dtype, lnc: int) -> float:
     batch, m, k, n = dims
     per_instr = max(p.min_ii_cycles, min(n, p.gemm_moving_fmax))
@@ -174,7 +182,7 @@ def _account(record) -> tuple:
             clock = p.scalar_clock if scalar else p.vector_clock
             compute = elems / (p.vector_lanes * clock * lnc)
             engine = "scalar" if scalar else "vector"
-        seconds = count * p.launch_overhead_ns * 1e-9 + max(compute, hbm)
+        seconds = count * (p.launch_overhead_ns + kernel_latency_ns(p)) * 1e-9 + max(compute, hbm)
         t.hbm_bytes += bytes_in + bytes_out
     t.launches += count
     t.by_op[op] += seconds

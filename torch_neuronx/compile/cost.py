@@ -261,11 +261,12 @@ _graph_totals: dict = {}
 
 def _extern_seconds(p, lnc, name, shapes, itemsize):
     """What the eager runtime charges for one extern call (it runs as an eager op)."""
+    from .. import cost_model
     tensor, elems = _extern_work(p, lnc, name, shapes, itemsize)
     nbytes = sum(math.prod(s) for s in shapes) * itemsize
     hbm = nbytes / p.core_hbm_bandwidth(lnc)
     compute = tensor if tensor is not None else elems / (p.vector_lanes * p.vector_clock * lnc)
-    return p.launch_overhead_ns * 1e-9 + max(compute, hbm)
+    return (p.launch_overhead_ns + cost_model.kernel_latency_ns(p)) * 1e-9 + max(compute, hbm)
 
 
 def _extern_work(p, lnc, name, shapes, itemsize):

@@ -36,6 +36,7 @@ OPS_PER_INSTRUCTION = 2
 _TILE_BYTES = 1 << 20      # data per tile of a kernel (128 partitions x 8 KiB)
 _MAX_TILES = 16
 _SLOTS = 3                 # SBUF buffers a kernel rotates through
+_ROW_BYTES = 2048          # DMA rows this long run near the queues' peak rate
 
 
 @dataclass
@@ -66,9 +67,10 @@ class _Layout:
         # chip's default LNC).
         self.tl.queues = [0.0] * (p.dma_queues * lnc)
         self.tl.hbm_bytes_per_ns = p.core_hbm_bandwidth(lnc) / 1e9
-        # A transfer is split over enough DMA instructions for loads and stores to use half
-        # of the queues each, as a well-written kernel spreads its descriptors.
-        self.split = max(1, len(self.tl.queues) // p.dma_queues_per_instruction // 2)
+        # A transfer is split over enough DMA instructions to use every queue, as a
+        # well-written kernel spreads its descriptors (one instruction alone reaches a
+        # fraction of HBM bandwidth).
+        self.split = max(1, len(self.tl.queues) // p.dma_queues_per_instruction)
         self.hbm = 0
 
     # SBUF slots of kernel k: an input, a middle and an output buffer per rotation slot;
@@ -79,13 +81,17 @@ class _Layout:
 
     def _dma(self, name, b, lo, hi, sbuf, load):
         space, (base, _) = sbuf
-        step = max(1, -(-(hi - lo) // self.split))
+        # Split only into pieces big enough to keep each instruction's rows long.
+        pieces = max(1, min(self.split, (hi - lo) // (_ROW_BYTES * 8)))
+        step = max(1, -(-(hi - lo) // pieces))
         for c, a in enumerate(range(lo, hi, step)):
             z = min(hi, a + step)
             hbm = [(f"hbm{b}", (a, z))]
             part = [(space, (base + c, base + c + 1))]
-            rows = self.p.partitions
-            self.tl.dma(name, z - a, rows, max(4, (z - a) // rows), True,
+            # Contiguous HBM data spread over partitions in rows of >= 2 KiB where it can
+            # be (fewer partitions for a small transfer), as a kernel lays out its tiles.
+            row = max((z - a) // self.p.partitions, min(z - a, _ROW_BYTES))
+            self.tl.dma(name, z - a, max(1, (z - a) // max(row, 1)), max(4, row), True,
                         hbm if load else part, part if load else hbm)
         self.hbm += hi - lo
 

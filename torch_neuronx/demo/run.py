@@ -20,6 +20,7 @@ def _train(label, model, steps, batch, device, autocast, seed=0):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, foreach=True)
     step = make_step(model, opt, torch.bfloat16 if autocast else None)
     cost_model.reset_modelled_time(device)
+    from ..compile import reset_modelled_graph_time
     tokens = batch * cfg.block_size
     losses, modelled, start, warm = [], 0.0, None, 3
     bar = tqdm(range(steps), desc=f"{label:>8}", unit="step", dynamic_ncols=True)
@@ -36,6 +37,7 @@ def _train(label, model, steps, batch, device, autocast, seed=0):
         if i == warm:
             start = time.perf_counter()
             cost_model.reset_modelled_time(device)
+            reset_modelled_graph_time(device)
         losses.append(value)
         if i >= warm and (i % 10 == 0 or i == steps - 1):
             elapsed = time.perf_counter() - start
@@ -47,20 +49,26 @@ def _train(label, model, steps, batch, device, autocast, seed=0):
     elapsed = time.perf_counter() - start
     measured = steps - warm
     mt = cost_model.modelled_time(device)
+    step_s = elapsed / measured
     return {
         "loss_first": sum(losses[:5]) / 5, "loss_last": sum(losses[-10:]) / 10,
-        "tokens_s": tokens * measured / elapsed, "step_ms": elapsed / measured * 1e3,
-        "first_step_s": first_step_s, "modelled_ms": mt.seconds / measured * 1e3,
+        "tokens_s": tokens * measured / elapsed, "step_ms": step_s * 1e3,
+        # The first step's time beyond a steady step: tracing and compiling (compiled), or
+        # first-use costs (eager).
+        "first_step_s": first_step_s, "setup_s": max(0.0, first_step_s - step_s),
+        "modelled_ms": mt.seconds / measured * 1e3,
         "launches": mt.launches / measured, "top": [(k, v / measured) for k, v in mt.top(3)],
         "peak_mib": torch.neuron.max_memory_allocated(device) / 2**20,
     }
 
 
-def _report(label, r, platform):
+def _report(label, r, platform, compiled=False):
     top = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in r["top"])
-    print(f"{label}: loss {r['loss_first']:.3f} -> {r['loss_last']:.3f} | "
+    first = (f"compile {r['setup_s']:.1f} s" if compiled else
+             f"first step {r['first_step_s']:.2f} s")
+    print(f"{label}: loss {r['loss_first']:.3f} -> {r['loss_last']:.3f} | steady state "
           f"{r['tokens_s']:,.0f} tokens/s, {r['step_ms']:.1f} ms/step on this host "
-          f"(first step {r['first_step_s']:.2f} s) | peak memory {r['peak_mib']:.1f} MiB")
+          f"({first}) | peak memory {r['peak_mib']:.1f} MiB")
     print(f"{'':>{len(label)}}  modelled {platform} time: {r['modelled_ms']:.3f} ms/step over "
           f"{r['launches']:.0f} launches/step; busiest: {top}")
 
@@ -88,7 +96,14 @@ def run(steps=500, batch=16, compile=True, device="neuron", autocast=False) -> i
         compiled.cfg = gcfg
         torch._dynamo.reset()
         r = _train("compiled", compiled, steps, batch, device, autocast)
-        _report("compiled", r, platform)
+        _report("compiled", r, platform, compiled=True)
+        from ..compile import modelled_graph_time
+        g = modelled_graph_time(device)
+        for name, rec in g.by_graph.items():
+            busy = ", ".join(f"{e} {v / rec.runs * 1e3:.3f}" for e, v in rec.busy.items() if v)
+            print(f"{'':>8}  {name.split(' @ ')[0]} graph as one {platform} program: "
+                  f"{rec.seconds / rec.runs * 1e3:.3f} ms, {rec.bound}-bound "
+                  f"(engines busy ms: {busy})")
         print(f"compiled vs eager: {eager['step_ms'] / r['step_ms']:.2f}x host speed, "
               f"{eager['modelled_ms'] / max(r['modelled_ms'], 1e-9):.2f}x modelled {platform} speed")
         results["compiled"] = r

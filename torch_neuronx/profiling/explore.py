@@ -17,11 +17,15 @@ def report(path: str, top: int = 10) -> dict:
                                 f"(pass the directory NeuronProfiler.export_trace wrote)")
     ev = pq.read_table(events_file).to_pandas()
     hw = ev[ev.source == "hardware"]
-    launch_ns = _state.config().profile.launch_overhead_ns
+    from ..cost_model import kernel_latency_ns
+    profile = _state.config().profile
+    # What every launch costs however small the kernel: the launch and the kernel's
+    # DMA-in / engine / DMA-out latency.
+    launch_ns = profile.launch_overhead_ns + kernel_latency_ns(profile)
     by_kernel = hw.groupby("name").agg(modelled_ns=("modelled_ns", "sum"), launches=("launches", "sum"))
     by_kernel["mean_ns"] = by_kernel.modelled_ns / by_kernel.launches
-    # A launch costs launch_overhead_ns on the modelled timeline; kernels whose mean is
-    # dominated by it gain from fusion or batching, not from faster engines.
+    # Kernels whose mean is dominated by the fixed cost of a launch gain from fusion or
+    # batching, not from faster engines.
     by_kernel["bound"] = ["launch" if m < 2 * launch_ns else "work" for m in by_kernel.mean_ns]
     by_kernel = by_kernel.sort_values("modelled_ns", ascending=False)
     total = int(hw.modelled_ns.sum())
