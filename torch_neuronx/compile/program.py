@@ -25,6 +25,7 @@ traffic at the core's HBM bandwidth.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -61,16 +62,16 @@ def _box(i, n, total):
 class _Layout:
     def __init__(self, p, lnc, bufs):
         self.p, self.lnc, self.bufs = p, lnc, bufs
-        self.tl = Timeline(p)
         # A logical core of LNC physical cores drives all their DMA queues, and owns its
         # share of HBM bandwidth (the timeline's defaults are one core's queues and the
-        # chip's default LNC).
-        self.tl.queues = [0.0] * (p.dma_queues * lnc)
+        # chip's default LNC). A compiled kernel spreads each transfer's descriptors over
+        # half of them (loads and stores each get half), as a well-written kernel does with
+        # several DMA instructions; one instruction per transfer keeps the timeline short.
+        queues = p.dma_queues * lnc
+        self.tl = Timeline(dataclasses.replace(
+            p, dma_queues=queues, dma_queues_per_instruction=max(1, queues // 2)))
         self.tl.hbm_bytes_per_ns = p.core_hbm_bandwidth(lnc) / 1e9
-        # A transfer is split over enough DMA instructions to use every queue, as a
-        # well-written kernel spreads its descriptors (one instruction alone reaches a
-        # fraction of HBM bandwidth).
-        self.split = max(1, len(self.tl.queues) // p.dma_queues_per_instruction)
+        self.split = 1
         self.hbm = 0
 
     # SBUF slots of kernel k: an input, a middle and an output buffer per rotation slot;
@@ -81,9 +82,7 @@ class _Layout:
 
     def _dma(self, name, b, lo, hi, sbuf, load):
         space, (base, _) = sbuf
-        # Split only into pieces big enough to keep each instruction's rows long.
-        pieces = max(1, min(self.split, (hi - lo) // (_ROW_BYTES * 8)))
-        step = max(1, -(-(hi - lo) // pieces))
+        step = hi - lo
         for c, a in enumerate(range(lo, hi, step)):
             z = min(hi, a + step)
             hbm = [(f"hbm{b}", (a, z))]
