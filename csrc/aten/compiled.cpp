@@ -58,17 +58,27 @@ void launch_kernel(void* fn, const std::string& name, const std::string& kinds,
   c10::DeviceIndex d = -1;
   int64_t bytes = 0;
   std::vector<const void*> reads, writes;
+  bool host_operand = false;
   size_t t = 0;
   for (size_t i = 0; i < kinds.size(); ++i) {
     if (kinds[i] != 'r' && kinds[i] != 'w') continue;
     const at::Tensor& x = tensors.at(t++);
-    TORCH_CHECK(x.device().type() == kDevice, "compiled kernel ", name, ": argument ", i,
-                " is on ", x.device(), ", not on a neuron device");
+    if (x.device().type() != kDevice) {
+      host_operand = true;  // e.g. an optimizer's step count, a CPU scalar tensor
+      continue;
+    }
     if (d < 0) d = x.device().index();
     TORCH_CHECK(x.device().index() == d, "compiled kernel ", name, ": arguments on neuron:", d,
                 " and ", x.device());
     bytes += static_cast<int64_t>(x.nbytes());
     if (check::enabled()) (kinds[i] == 'r' ? reads : writes).push_back(x.storage().data());
+  }
+  if (host_operand) {
+    // Host memory the host may change after the call returns: run now, on this thread,
+    // once the device has produced the kernel's device inputs.
+    queue::synchronize_all();
+    call(fn, words);
+    return;
   }
   if (d < 0) d = current_device();
   const char* op = intern(name);

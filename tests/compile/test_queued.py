@@ -122,3 +122,22 @@ def test_launch_blocking_runs_compiled_kernels_synchronously():
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+def test_compiled_optimizer_step_with_host_operands():
+    # AdamW's step counts are CPU tensors: a compiled kernel reading host memory runs at
+    # once on the calling thread, after the device has produced its other inputs.
+    torch.manual_seed(0)
+    ref = [torch.nn.Parameter(torch.randn(16, 16)) for _ in range(24)]
+    dev = [torch.nn.Parameter(p.detach().clone().to(N)) for p in ref]
+    for a, b in zip(ref, dev):
+        g = torch.randn(16, 16)
+        a.grad, b.grad = g, g.to(N)
+    opt_ref = torch.optim.AdamW(ref, lr=1e-2, foreach=True)
+    opt_dev = torch.optim.AdamW(dev, lr=1e-2, foreach=True)
+    step = torch.compile(opt_dev.step, backend="neuron")
+    for _ in range(2):
+        opt_ref.step()
+        step()
+    for a, b in zip(ref, dev):
+        torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=1e-5, atol=1e-6)

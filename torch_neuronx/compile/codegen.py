@@ -102,6 +102,9 @@ def _user_line(nodes) -> str | None:
     return None
 
 
+# csrc/aten/compiled.cpp launches kernels of at most this many arguments (foreach kernels
+# over hundreds of tensors have more: they run on the host after a synchronisation).
+_MAX_QUEUED_ARGS = 512
 _entries: dict = {}
 # The neuron device whose graph compiles as a host graph on this thread (host.py).
 _host = threading.local()
@@ -168,7 +171,7 @@ def _classes():
                                          triton=True, arg_types=None, **kwargs):
             device = device or V.graph.get_current_device_or_throw()
             kinds = _arg_kinds(arg_types) if device.type == _DEVICE and not triton else None
-            if kinds is not None and len(kinds) == len(call_args):
+            if kinds is not None and len(kinds) == len(call_args) <= _MAX_QUEUED_ARGS:
                 # The kernel is a host function over raw pointers: it goes on the current
                 # stream's queue, in order with the graph's ATen ops and eager work.
                 args = "".join(f", {a}" for a in call_args)
@@ -178,8 +181,8 @@ def _classes():
                                f"{label!r}, {kinds!r}{args})")
                 return
             if device.type == _DEVICE:
-                # Arguments the queue cannot take (floats): run it here, once the device's
-                # queue has produced its inputs.
+                # Arguments the queue cannot take (floats, too many): run it here, once the
+                # device's queue has produced its inputs.
                 self.writeline("_neuron_rt._synchronize_all()")
                 device = torch.device("cpu")
             super()._generate_kernel_call_helper(kernel_name, call_args, device=device,
