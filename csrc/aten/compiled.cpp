@@ -68,8 +68,8 @@ void launch_kernel(void* fn, const std::string& name, const std::string& kinds,
       continue;
     }
     if (d < 0) d = x.device().index();
-    TORCH_CHECK(x.device().index() == d, "compiled kernel ", name, ": arguments on neuron:", d,
-                " and ", x.device());
+    TORCH_CHECK(x.device().index() == d, "compiled kernel ", name, ": arguments on neuron:",
+                static_cast<int>(d), " and ", x.device());
     bytes += static_cast<int64_t>(x.nbytes());
     if (check::enabled()) (kinds[i] == 'r' ? reads : writes).push_back(x.storage().data());
   }

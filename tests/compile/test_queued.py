@@ -141,3 +141,17 @@ def test_compiled_optimizer_step_with_host_operands():
         step()
     for a, b in zip(ref, dev):
         torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_graph_on_another_device_allocates_there():
+    if torch.neuron.device_count() < 2:
+        pytest.skip("one neuron device")
+    fn = torch.compile(lambda t: torch.softmax(t * 2, -1) + 1, backend="neuron")
+    x = torch.randn(64, 64)
+    assert torch.neuron.current_device() == 0
+    y1 = fn(x.to("neuron:1"))
+    y0 = fn(x.to("neuron:0"))
+    assert y1.device == torch.device("neuron", 1) and y0.device == torch.device("neuron", 0)
+    ref = torch.softmax(x * 2, -1) + 1
+    torch.testing.assert_close(y1.cpu(), ref)
+    torch.testing.assert_close(y0.cpu(), ref)

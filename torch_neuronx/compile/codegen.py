@@ -211,16 +211,22 @@ def _classes():
                                                     partition_signatures)
             return NeuronHostWrapperCodegen()
 
+        # The graph's neuron device, by index: a host graph has no device guard, so a bare
+        # "neuron" would allocate on whatever device is current when it runs.
+        def _neuron(self):
+            return torch.device(_DEVICE, getattr(_host, "index", None) or 0)
+
         def make_allocation(self, name, device, dtype, shape, stride, allocation_shape=None,
                             is_pinned=False):
             if device.type == "cpu":
-                device = torch.device(_DEVICE)
-            return super().make_allocation(name, device, dtype, shape, stride,
-                                           allocation_shape, is_pinned)
+                device = self._neuron()
+            out = super().make_allocation(name, device, dtype, shape, stride,
+                                          allocation_shape, is_pinned)
+            return out.replace(f"device='{_DEVICE}'", f"device='{device}'")
 
         def val_to_arg_str(self, s, type_=None):
             if isinstance(s, torch.device) and s.type == "cpu":
-                s = torch.device(_DEVICE)
+                s = self._neuron()
             return super().val_to_arg_str(s, type_)
 
         def _generate_kernel_call_helper(self, kernel_name, call_args, *, device=None,

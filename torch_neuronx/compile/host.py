@@ -117,7 +117,10 @@ def _host_pass():
             _validate_post_grad(gm)
 
         def uuid(self) -> bytes:
-            return b"neuron-host:" + _cache_uuid()
+            # The device index is part of the key: the wrapper allocates on that device.
+            from .codegen import _host
+            index = getattr(_host, "index", None) or 0
+            return f"neuron-host:{index}:".encode() + _cache_uuid()
 
     return NeuronHostPass()
 
