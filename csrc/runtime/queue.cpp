@@ -143,7 +143,8 @@ class DeviceQueue {
   }
 
   void wait_quietly(uint64_t seq) {
-    if (!done(seq) && std::this_thread::get_id() != executor_id_) {
+    if (!done(seq)) {
+      const bool host = std::this_thread::get_id() != executor_id_;
       // Small work not yet started that the host waits for runs on the host, in order:
       // handing it to a sleeping executor would cost two wake-ups (~0.1-0.2 ms) for
       // nothing. Large work stays on the executor: its parallel loops run on the
@@ -153,7 +154,7 @@ class DeviceQueue {
       ++waiters_;
       release_gil_while([&] {
         while (!done(seq)) {
-          if (!running_ && !items_.empty() && items_.front().seq <= seq &&
+          if (host && !running_ && !items_.empty() && items_.front().seq <= seq &&
               items_.front().bytes < kBigBytes) {
             run_next_locked(lk);
             continue;
