@@ -150,6 +150,32 @@ _listeners: list = []
 _lock = threading.Lock()  # compiled graphs and collectives add from other threads
 
 
+def op_seconds(p, lnc, op, shapes, dtype, bytes_in, bytes_out, count=1) -> tuple:
+    """(seconds, engine, flops) of ``count`` launches of a device op (not a copy) on the
+    chip: its launch and kernel latency, then the longer of its engine work and its HBM
+    traffic. Eager ops are charged by it, and compiled graphs' library calls estimated."""
+    hbm = (bytes_in + bytes_out) / p.core_hbm_bandwidth(lnc)
+    dims = _matmul_dims(op, shapes) if op in _TENSORE else None
+    flops = 0.0
+    if dims is not None:
+        compute = count * _tensore_seconds(p, dims, dtype, lnc)
+        flops = count * 2.0 * math.prod(dims)
+        engine = "tensor"
+    elif op == "fused_pointwise":  # Adaptive Eager: n ops on VectorE, one HBM round trip
+        numel, n_ops = shapes[0]
+        compute = count * numel * n_ops / (p.vector_lanes * p.vector_clock * lnc)
+        engine = "vector"
+    else:
+        elems = max(bytes_in, bytes_out) / dtype.itemsize
+        base = op.rstrip("_")
+        scalar = op in _SCALAR_ENGINE or base in _SCALAR_ENGINE
+        clock = p.scalar_clock if scalar else p.vector_clock
+        compute = elems / (p.vector_lanes * clock * lnc)
+        engine = "scalar" if scalar else "vector"
+    seconds = count * (p.launch_overhead_ns + kernel_latency_ns(p)) * 1e-9 + max(compute, hbm)
+    return seconds, engine, flops
+
+
 def _account(record) -> tuple:
     """Accounts one record's busy time and returns (seconds, engine); the timeline is the
     caller's."""
@@ -165,24 +191,9 @@ def _account(record) -> tuple:
         t.host_bytes += 0 if op == "copy_d2d" else bytes_out
         engine = "dma"
     else:
-        hbm = (bytes_in + bytes_out) / p.core_hbm_bandwidth(lnc)
-        dims = _matmul_dims(op, _shapes(sig)) if op in _TENSORE else None
-        if dims is not None:
-            compute = count * _tensore_seconds(p, dims, dtype, lnc)
-            t.flops += count * 2.0 * math.prod(dims)
-            engine = "tensor"
-        elif op == "fused_pointwise":  # Adaptive Eager: n ops on VectorE, one HBM round trip
-            numel, n_ops = _shapes(sig)[0]
-            compute = count * numel * n_ops / (p.vector_lanes * p.vector_clock * lnc)
-            engine = "vector"
-        else:
-            elems = max(bytes_in, bytes_out) / dtype.itemsize
-            base = op.rstrip("_")
-            scalar = op in _SCALAR_ENGINE or base in _SCALAR_ENGINE
-            clock = p.scalar_clock if scalar else p.vector_clock
-            compute = elems / (p.vector_lanes * clock * lnc)
-            engine = "scalar" if scalar else "vector"
-        seconds = count * (p.launch_overhead_ns + kernel_latency_ns(p)) * 1e-9 + max(compute, hbm)
+        seconds, engine, flops = op_seconds(p, lnc, op, _shapes(sig), dtype, bytes_in,
+                                            bytes_out, count)
+        t.flops += flops
         t.hbm_bytes += bytes_in + bytes_out
     t.launches += count
     t.by_op[op] += seconds

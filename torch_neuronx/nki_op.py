@@ -60,33 +60,45 @@ def _kernel_impl(kernel, sig):
     return impl
 
 
-def _auto_fake(kernel, sig):
-    """A fake implementation that learns the output shapes by simulating the kernel on zeros."""
-    import numpy as np
+def _shape_key(v):
+    if isinstance(v, torch.Tensor):
+        # An NKI kernel is built for concrete shapes (AWS compiles one per shape), so a
+        # symbolic size specializes here.
+        return ("T", tuple(int(n) for n in v.shape), v.dtype)
+    return ("C", repr(v))
 
+
+def _cached_fake(sig, outputs_of):
+    """A fake implementation that learns its output metadata once per input shapes/dtypes:
+    ``outputs_of(zeros, device)`` runs the real thing on zero inputs (``zeros(make)``: the
+    arguments by name, each tensor replaced by ``make(shape, dtype)``) and returns the metas."""
     cache: dict = {}
-
-    def key_of(v):
-        if isinstance(v, torch.Tensor):
-            # An NKI kernel is built for concrete shapes (AWS compiles one per shape), so a
-            # symbolic size specializes here.
-            return ("T", tuple(int(n) for n in v.shape), v.dtype)
-        return ("C", repr(v))
 
     def fake(*args, **kwargs):
         bound = sig.bind(*args, **kwargs)
         bound.apply_defaults()
-        key = tuple((k, key_of(v)) for k, v in bound.arguments.items())
+        key = tuple((k, _shape_key(v)) for k, v in bound.arguments.items())
         device = next((v.device for v in bound.arguments.values() if isinstance(v, torch.Tensor)), None)
         metas = cache.get(key)
         if metas is None:
-            np_args = {k: (np.zeros(kv[1][1], np_dtype(kv[1][2])) if kv[1][0] == "T" else bound.arguments[k])
-                       for k, kv in zip(bound.arguments, key)}
-            from nki.simulator.runner import run
-            out, _ = run(kernel.func, (), np_args, kernel.grid, kernel.target)
-            metas = cache[key] = _metas(out)
+            def zeros(make):
+                return {k: (make(kv[1], kv[2]) if kv[0] == "T" else bound.arguments[k])
+                        for k, kv in key}
+            metas = cache[key] = outputs_of(zeros, device)
         return _empties(metas, device)
     return fake
+
+
+def _auto_fake(kernel, sig):
+    """A fake implementation that learns the output shapes by simulating the kernel on zeros."""
+    import numpy as np
+
+    def outputs_of(zeros, device):
+        from nki.simulator.runner import run
+        np_args = zeros(lambda shape, dtype: np.zeros(shape, np_dtype(dtype)))
+        out, _ = run(kernel.func, (), np_args, kernel.grid, kernel.target)
+        return _metas(out)
+    return _cached_fake(sig, outputs_of)
 
 
 def _auto_fake_function(f, sig):
@@ -94,27 +106,12 @@ def _auto_fake_function(f, sig):
     dtype on real zero tensors of the fake inputs' device (fake mode lifted for the run), and
     return empty tensors shaped like its outputs. Its kernels then infer their own output
     shapes, as AWS's guide expects of a wrapped function under torch.compile."""
-    cache: dict = {}
-
-    def key_of(v):
-        if isinstance(v, torch.Tensor):
-            return ("T", tuple(int(n) for n in v.shape), v.dtype)
-        return ("C", repr(v))
-
-    def fake(*args, **kwargs):
+    def outputs_of(zeros, device):
         from torch._subclasses.fake_tensor import unset_fake_temporarily
-        bound = sig.bind(*args, **kwargs)
-        bound.apply_defaults()
-        key = tuple((k, key_of(v)) for k, v in bound.arguments.items())
-        device = next((v.device for v in bound.arguments.values() if isinstance(v, torch.Tensor)), None)
-        metas = cache.get(key)
-        if metas is None:
-            with unset_fake_temporarily(), torch.no_grad():
-                real = {k: (torch.zeros(kv[1][1], dtype=kv[1][2], device=device) if kv[1][0] == "T"
-                            else bound.arguments[k]) for k, kv in zip(bound.arguments, key)}
-                metas = cache[key] = _torch_metas(f(**real))
-        return _empties(metas, device)
-    return fake
+        with unset_fake_temporarily(), torch.no_grad():
+            real = zeros(lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=device))
+            return _torch_metas(f(**real))
+    return _cached_fake(sig, outputs_of)
 
 
 def _torch_metas(out):

@@ -66,7 +66,6 @@ def record_kernel_nodes(nodes) -> None:
     for s in snodes:
         reads |= {d.name for d in s.read_writes.reads}
         writes |= {d.name for d in s.read_writes.writes}
-    nbytes = 0
     hbm_reads, hbm_writes = [], []
     scheduler = V.graph.scheduler
     for name in sorted((reads - inside) | writes):
@@ -76,13 +75,11 @@ def record_kernel_nodes(nodes) -> None:
             users = {u.node for u in sbuf.users} if sbuf is not None else {None}
             if users and users <= set(snodes):
                 continue
-        size = _buffer_bytes(name)
-        if size is None:
+        if _buffer_bytes(name) is None:
             continue
-        nbytes = nbytes + size
         (hbm_writes if name in writes else hbm_reads).append(name)
-    _kernel_list().append(("kernel", vec_ops, sca_ops, nbytes, tuple(hbm_reads),
-                           tuple(hbm_writes), frozenset(s.get_name() for s in snodes)))
+    _kernel_list().append(("kernel", vec_ops, sca_ops, tuple(hbm_reads), tuple(hbm_writes),
+                           frozenset(s.get_name() for s in snodes)))
 
 
 def _buffer_bytes(name):
@@ -101,11 +98,11 @@ def _buffer_bytes(name):
 
 
 def _program(graph):
-    """The graph's kernels in program order: ("kernel", vec, sca, nbytes, reads, writes) and
+    """The graph's kernels in program order: ("kernel", vec, sca, reads, writes) and
     ("extern", op, [input sizes...], itemsize, reads, writes), reads/writes buffer names."""
     from torch._inductor.scheduler import ExternKernelSchedulerNode
     kernels = list(getattr(graph, "_neuron_kernels", []))
-    owner = {name: i for i, k in enumerate(kernels) for name in k[6]}
+    owner = {name: i for i, k in enumerate(kernels) for name in k[5]}
     externs = iter(_extern_entries(graph))
     out, seen = [], set()
     for s in getattr(graph.scheduler, "nodes", None) or []:
@@ -121,8 +118,8 @@ def _program(graph):
             i = owner.get(sub.get_name())
             if i is not None and i not in seen:
                 seen.add(i)
-                out.append(kernels[i][:6])
-    out += [k[:6] for i, k in enumerate(kernels) if i not in seen]
+                out.append(kernels[i][:5])
+    out += [k[:5] for i, k in enumerate(kernels) if i not in seen]
     return out
 
 
@@ -192,7 +189,7 @@ def wrapper_cost_expr(index: int | None = None) -> str | None:
     items = []
     for it in program:
         if it[0] == "kernel":
-            _, v, sc, _, reads, writes = it
+            _, v, sc, reads, writes = it
             items.append(f"('kernel', {py(v)}, {py(sc)}, {ref(reads)}, {ref(writes)})")
         else:
             _, name, shapes, isz, reads, writes = it
@@ -259,26 +256,30 @@ _lock = threading.Lock()
 _graph_totals: dict = {}
 
 
+_ITEMSIZE_DTYPES = {2: "bfloat16", 1: "float8_e4m3fn"}
+
+
+def _dtype_of(itemsize):
+    import torch
+    return getattr(torch, _ITEMSIZE_DTYPES.get(itemsize, "float32"))
+
+
 def _extern_seconds(p, lnc, name, shapes, itemsize):
     """What the eager runtime charges for one extern call (it runs as an eager op)."""
     from .. import cost_model
-    tensor, elems = _extern_work(p, lnc, name, shapes, itemsize)
     nbytes = sum(math.prod(s) for s in shapes) * itemsize
-    hbm = nbytes / p.core_hbm_bandwidth(lnc)
-    compute = tensor if tensor is not None else elems / (p.vector_lanes * p.vector_clock * lnc)
-    return (p.launch_overhead_ns + cost_model.kernel_latency_ns(p)) * 1e-9 + max(compute, hbm)
+    return cost_model.op_seconds(p, lnc, name.split(".")[0], [tuple(s) for s in shapes],
+                                 _dtype_of(itemsize), nbytes, 0)[0]
 
 
 def _extern_work(p, lnc, name, shapes, itemsize):
     """(TensorE seconds or None, elements it produces or passes over) of an extern call."""
     from .. import cost_model
-    import torch
     base = name.split(".")[0]
     dims = cost_model._matmul_dims(base, [tuple(s) for s in shapes])
     if base in cost_model._TENSORE and dims is not None:
-        dtype = {2: torch.bfloat16, 1: torch.float8_e4m3fn}.get(itemsize, torch.float32)
         batch, m, _, n = dims
-        return cost_model._tensore_seconds(p, dims, dtype, lnc), batch * m * n
+        return cost_model._tensore_seconds(p, dims, _dtype_of(itemsize), lnc), batch * m * n
     return None, sum(math.prod(s) for s in shapes)
 
 

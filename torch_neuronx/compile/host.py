@@ -42,8 +42,8 @@ def _tensors(gm, example_inputs):
             yield node.format_node(), v
 
 
-def why_not(gm: torch.fx.GraphModule, example_inputs) -> str | None:
-    """Why ``gm`` cannot be compiled as a host graph (None when it can)."""
+def check(gm: torch.fx.GraphModule, example_inputs) -> tuple[str | None, int]:
+    """(why ``gm`` cannot be compiled as a host graph or None, its neuron device index)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     indices = set()
@@ -51,26 +51,19 @@ def why_not(gm: torch.fx.GraphModule, example_inputs) -> str | None:
         if not isinstance(v, torch.Tensor):
             continue
         if not isinstance(v, FakeTensor):
-            return f"a real tensor reaches the compiler ({where})"
+            return f"a real tensor reaches the compiler ({where})", 0
         if v.device.type != _DEVICE:
-            return f"a {v.device.type} tensor ({where})"
+            return f"a {v.device.type} tensor ({where})", 0
         indices.add(v.device.index or 0)
     if len(indices) > 1:
-        return f"tensors on several neuron devices {sorted(indices)}"
+        return f"tensors on several neuron devices {sorted(indices)}", 0
     for node in gm.graph.nodes:
         if node.op == "get_attr":
-            return f"attribute {node.target} (a tensor constant or a subgraph)"
+            return f"attribute {node.target} (a tensor constant or a subgraph)", 0
         for a in pytree.tree_leaves((node.args, node.kwargs)):
-            if isinstance(a, torch.device) and a.type not in (_DEVICE,):
-                return f"device argument {a} ({node.format_node()})"
-    return None
-
-
-def _device_index(example_inputs, gm) -> int:
-    for _, v in _tensors(gm, example_inputs):
-        if isinstance(v, torch.Tensor):
-            return v.device.index or 0
-    return torch.neuron.current_device()
+            if isinstance(a, torch.device) and a.type != _DEVICE:
+                return f"device argument {a} ({node.format_node()})", 0
+    return None, (indices.pop() if indices else torch.neuron.current_device())
 
 
 def to_host_graph(gm: torch.fx.GraphModule, example_inputs):
@@ -151,11 +144,10 @@ def inner_compile(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     """``compile_fx``'s inner compiler for neuron: the graph compiled as a host graph."""
     from torch._inductor.compile_fx import compile_fx_inner
 
-    why = why_not(gm, example_inputs)
+    why, index = check(gm, example_inputs)
     if why is not None:
         log.debug("neuron graph compiled on the neuron device, not as a host graph: %s", why)
         return compile_fx_inner(gm, example_inputs, **kwargs)
-    index = _device_index(example_inputs, gm)
     gm, example_inputs = to_host_graph(gm, example_inputs)
     with _cpu_entry_is_neuron(index):
         return compile_fx_inner(gm, example_inputs, **kwargs)

@@ -71,27 +71,21 @@ class _Layout:
         self.tl = Timeline(dataclasses.replace(
             p, dma_queues=queues, dma_queues_per_instruction=max(1, queues // 2)))
         self.tl.hbm_bytes_per_ns = p.core_hbm_bandwidth(lnc) / 1e9
-        self.split = 1
         self.hbm = 0
 
-    # SBUF slots of kernel k: an input, a middle and an output buffer per rotation slot;
-    # each is `split` regions wide, one per DMA instruction of a transfer.
-    def _slot(self, k, which, slot):
-        base = (which * _SLOTS + slot) * self.split
-        return (f"sbuf{k}", (base, base + self.split))
+    # SBUF slots of kernel k: an input, an output and a middle buffer per rotation slot.
+    @staticmethod
+    def _slot(k, which, slot):
+        base = which * _SLOTS + slot
+        return (f"sbuf{k}", (base, base + 1))
 
     def _dma(self, name, b, lo, hi, sbuf, load):
-        space, (base, _) = sbuf
-        step = hi - lo
-        for c, a in enumerate(range(lo, hi, step)):
-            z = min(hi, a + step)
-            hbm = [(f"hbm{b}", (a, z))]
-            part = [(space, (base + c, base + c + 1))]
-            # Contiguous HBM data spread over partitions in rows of >= 2 KiB where it can
-            # be (fewer partitions for a small transfer), as a kernel lays out its tiles.
-            row = max((z - a) // self.p.partitions, min(z - a, _ROW_BYTES))
-            self.tl.dma(name, z - a, max(1, (z - a) // max(row, 1)), max(4, row), True,
-                        hbm if load else part, part if load else hbm)
+        hbm = (f"hbm{b}", (lo, hi))
+        # Contiguous HBM data spread over partitions in rows of >= 2 KiB where it can be
+        # (fewer partitions for a small transfer), as a kernel lays out its tiles.
+        row = max((hi - lo) // self.p.partitions, min(hi - lo, _ROW_BYTES))
+        self.tl.dma(name, hi - lo, max(1, (hi - lo) // max(row, 1)), max(4, row), True,
+                    [hbm if load else sbuf], [sbuf if load else hbm])
         self.hbm += hi - lo
 
     def _load(self, k, name, reads, i, n, slot):
