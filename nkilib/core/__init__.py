@@ -1,0 +1,1 @@
+"""The kernels behind TorchNeuron's attention, norms, embeddings and MLP."""

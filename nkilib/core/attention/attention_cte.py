@@ -1,0 +1,321 @@
+"""FlashAttention forward for context encoding (prefill): AWS's ``attention_cte``.
+
+Per query group of 128 rows the scores against up to 512 keys at a time (one fp32 PSUM bank)
+go through an online softmax: the running row maximum, the running sum of exponentials and
+the unnormalised output are rescaled when the maximum grows, so the score matrix never
+leaves the chip. Sections of keys that a causal or sliding-window mask removes entirely are
+skipped (a causal kernel does about half the work); sections the mask cuts through get an
+``affine_select``. K and V of a batch stay in SBUF when they fit and stream per section when
+they do not.
+
+Layouts follow AWS's kernel: q (B, Sq, d) with ``tp_q=True`` (the default) or (B, d, Sq);
+k (Bkv, d, Skv) with ``tp_k=False`` (the default) or (Bkv, Skv, d); v (Bkv, Skv, d); the
+output (B, Sq, d), or (B, d, Sq) with ``tp_out=True``. Heads ride in the batch dimension;
+B a multiple of Bkv is grouped-query attention (query batch b reads kv batch
+b // (B // Bkv)). ``scale`` multiplies the scores (AWS's default 1.0: pass 1/sqrt(d) for
+SDPA's). With ``cache_softmax=True`` the kernel also returns the negated row maximum and
+the reciprocal row sum of the scaled scores, each (B, 128, ceil(Sq / 128)) with query
+g*128 + p at [b, p, g], from which the backward kernel's log-sum-exp follows
+(``lse = -(neg_max + log(sum_recip))``). ``logit_softcap`` (ours, for Gemma-style models)
+replaces each scaled score s by cap * tanh(s / cap) before the softmax.
+"""
+from __future__ import annotations
+
+import nki
+import nki.isa as nisa
+import nki.language as nl
+from nki import errors as E
+
+_NEG = -3.0e38          # masked score: exp() of it underflows to 0
+_BANK = 512             # fp32 scores per PSUM bank (2 KiB per partition): one matmul's output
+_SECTION = 512          # keys per online-softmax step
+_KV_RESIDENT = 96 * 1024  # bytes per partition K and V may hold in SBUF for a whole batch
+
+
+def _unsupported(name):
+    raise E.UnsupportedError(f"attention_cte: {name} is not implemented in this NKI-lib")
+
+
+@nki.jit
+def attention_cte(q, k, v, scale=1.0, causal_mask=True, k_prior=None, v_prior=None,
+                  prior_used_len=None, sink=None, sliding_window=None, tp_q=True, tp_k=False,
+                  tp_out=False, cache_softmax=False, softmax_dtype=nl.float32,
+                  mm_out_dtype=nl.float32, cp_offset=None, global_cp_deg=None,
+                  cp_strided_q_slicing=False, bound_min=None, bound_max=None,
+                  logit_softcap=None):
+    for name, val in (("prefix caching (k_prior)", k_prior), ("attention sinks", sink),
+                      ("context parallelism (cp_offset)", cp_offset),
+                      ("sequence packing (bound_min/bound_max)", bound_min)):
+        if val is not None:
+            _unsupported(name)
+    P = nl.tile_size.pmax
+    if tp_q:
+        B, Sq, d = q.shape
+    else:
+        B, d, Sq = q.shape
+    Bkv = k.shape[0]
+    Skv = k.shape[1] if tp_k else k.shape[2]
+    if d > P:
+        raise E.ShapeMismatchError(f"attention_cte: head dim {d} > {P}")
+    if tuple(v.shape) != (Bkv, Skv, d):
+        raise E.ShapeMismatchError(f"attention_cte: v {tuple(v.shape)} must be ({Bkv}, {Skv}, {d}) "
+                                   f"for k {tuple(k.shape)} (tp_k={tp_k})")
+    if B % Bkv:
+        raise E.ShapeMismatchError(f"attention_cte: query batch {B} is not a multiple of the "
+                                   f"key/value batch {Bkv}")
+    window = int(sliding_window or 0)
+    G = (Sq + P - 1) // P
+    out = nl.ndarray((B, d, Sq) if tp_out else (B, Sq, d), dtype=q.dtype, buffer=nl.shared_hbm)
+    if cache_softmax:
+        neg_max = nl.ndarray((B, P, G), dtype=nl.float32, buffer=nl.shared_hbm)
+        sum_recip = nl.ndarray((B, P, G), dtype=nl.float32, buffer=nl.shared_hbm)
+    fp32 = q.dtype == nl.float32
+    p_dtype = nl.float32 if fp32 else nl.bfloat16
+    lscale, cap = float(scale), logit_softcap
+    n_prog, pid = nl.num_programs(0), nl.program_id(0)
+    resident = 2 * Skv * max(k.dtype.itemsize, 1) <= _KV_RESIDENT
+    group = B // Bkv
+    cfg = _Cfg(q=q, k=k, v=v, out=out, d=d, Sq=Sq, Skv=Skv, tp_q=tp_q, tp_k=tp_k,
+               tp_out=tp_out, causal=causal_mask, window=window, lscale=lscale, cap=cap,
+               p_dtype=p_dtype, resident=resident, kv=None, masks={},
+               cache=(neg_max, sum_recip) if cache_softmax else None)
+    groups = []
+    for b in range(B):
+        for g in range(G):
+            if (b * G + g) % n_prog != pid:
+                continue
+            x = _Group(b=b, kb=b // group, g=g, q0=g * P, r=min(P, Sq - g * P))
+            x.hi = min(Skv, x.q0 + x.r) if causal_mask else Skv
+            x.lo = max(0, x.q0 - window + 1) // P * P if window else 0
+            x.secs = list(range(x.lo, x.hi, _SECTION))
+            groups.append(x)
+    units = [(x, s0, j == 0, j == len(x.secs) - 1) for x in groups for j, s0 in enumerate(x.secs)]
+    _pipeline([_unit(cfg, *u) for u in units])
+    if cache_softmax:
+        return out, neg_max, sum_recip
+    return out
+
+
+def _pipeline(units):
+    """Software pipelining: unit i's stage k is issued at tick i + k. Each engine runs its
+    instructions in program order, so while a unit waits for another engine (the semaphore
+    latency), the engines work on the stages of the units before and after it."""
+    live = []
+    for u in units + [None] * _DEPTH:
+        if u is not None:
+            live.append(u)
+        for gen in list(live):
+            if next(gen, _DONE) is _DONE:
+                live.remove(gen)
+    for gen in live:        # stages beyond the depth (none when _DEPTH covers them)
+        for _ in gen:
+            pass
+
+
+_DONE = object()
+_INTERLEAVE = 4
+_DEPTH = 16
+
+
+class _Cfg:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _unit(c, x, s0, first, last):
+    """One query group against one section of keys, as stages separated by ``yield``."""
+    P = nl.tile_size.pmax
+    r, d = x.r, c.d
+    w = min(_SECTION, x.hi - s0)
+    if first:      # the queries first: K and V of a new batch take longer
+        x.qT = _load_qT(c.q, x.b, x.q0, r, d, c.tp_q)
+        if c.resident and (c.kv is None or c.kv[0] != x.kb):
+            c.kv = (x.kb,) + _load_kv(c.k, c.v, x.kb, 0, c.Skv, c.tp_k, d)
+        x.m = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=x.m, value=_NEG)
+        x.l_sum = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=x.l_sum, value=0.0)
+        x.acc = nl.ndarray((r, d), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=x.acc, value=0.0)
+    if c.resident:   # k_t is the batch's K, kc its column of key s0
+        k_t, v_t, vb0, kc = c.kv[1], c.kv[2], s0 // P, s0
+    else:
+        k_t, v_t = _load_kv(c.k, c.v, x.kb, s0, w, c.tp_k, d)
+        vb0 = kc = 0
+    yield
+    # TensorE: the scores, one PSUM bank per 512 keys
+    s_ps = nl.ndarray((r, w), dtype=nl.float32, buffer=nl.psum)
+    for col in range(0, w, _BANK):
+        cw = min(_BANK, w - col)
+        nisa.nc_matmul(dst=s_ps[:, col:col + cw], stationary=x.qT,
+                       moving=k_t[:, kc + col:kc + col + cw])
+    yield
+    src, ls = s_ps, c.lscale
+    if c.cap:
+        t = nl.ndarray((r, w), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=t, op=nl.tanh, data=s_ps, scale=c.lscale / c.cap)
+        src, ls = t, float(c.cap)
+        yield
+    src = _mask(c, src, s_ps, s0, w, x.q0, r)
+    # VectorE: the row maximum and the new running maximum
+    mx = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=mx, op=nl.max, data=src, axis=1)
+    m_old, x.m = x.m, nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=x.m, data1=m_old, data2=mx, op=nl.maximum)
+    m_new = x.m
+    x.ls = ls
+    yield
+    # ScalarE: exp(ls * (s - m_new)) with its row sum, and the correction of the old terms
+    bias = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=bias, op=nl.copy, data=m_new, scale=-ls)
+    p = nl.ndarray((r, w), dtype=c.p_dtype, buffer=nl.sbuf)
+    row = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=p, op=nl.exp, data=src, scale=ls, bias=bias, reduce_op=nl.add,
+                    reduce_res=row)
+    corr = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=corr, op=nl.exp, data=m_old, scale=ls, bias=bias)
+    del src, s_ps
+    yield
+    yield
+    # TensorE: each 128-key block of P transposed, keys onto partitions
+    n_blk = (w + P - 1) // P
+    pT_ps = []
+    for j in range(n_blk):
+        kw = min(P, w - j * P)
+        t_ps = nl.ndarray((kw, r), dtype=c.p_dtype, buffer=nl.psum)
+        nisa.nc_transpose(dst=t_ps, data=p[:, j * P:j * P + kw])
+        pT_ps.append(t_ps)
+    nisa.scalar_tensor_tensor(dst=x.l_sum, data=x.l_sum, op0=nl.multiply, operand0=corr,
+                              op1=nl.add, operand1=row)
+    yield
+    yield
+    # to SBUF, on VectorE and ScalarE in turn
+    pT = []
+    for j, t_ps in enumerate(pT_ps):
+        t = nl.ndarray(tuple(t_ps.shape), dtype=c.p_dtype, buffer=nl.sbuf)
+        if j % 2:
+            nisa.activation(dst=t, op=nl.copy, data=t_ps)
+        else:
+            nisa.tensor_copy(dst=t, src=t_ps)
+        pT.append(t)
+    del pT_ps
+    yield
+    yield
+    # TensorE: P @ V into one PSUM accumulator
+    pv = nl.ndarray((r, d), dtype=nl.float32, buffer=nl.psum)
+    for j, t in enumerate(pT):
+        nisa.nc_matmul(dst=pv, stationary=t, moving=v_t[0:t.shape[0], vb0 + j, :],
+                       accumulate=j > 0)
+    del pT
+    yield
+    yield
+    nisa.scalar_tensor_tensor(dst=x.acc, data=x.acc, op0=nl.multiply, operand0=corr,
+                              op1=nl.add, operand1=pv)
+    if last:
+        yield
+        yield
+        _finish(x, x.b, d, c.q, c.out, c.tp_out, c.cache)
+
+
+class _Group:
+    """One query group's running state (maximum, sum, output accumulator) and its tiles of
+    the section in flight."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _mask(c, src, s_ps, s0, w, q0, r):
+    """The section's logits with the causal or window mask applied where it cuts through.
+    A causal cut is an add of a mask tile made once per offset (VectorE reads the scores in
+    PSUM directly); a window cut is an ``affine_select`` on GpSimd."""
+    cut_causal = c.causal and s0 + w - 1 > q0
+    cut_window = c.window and s0 < q0 + r - c.window
+    if not (cut_causal or cut_window):
+        return src
+    sm = nl.ndarray((r, w), dtype=nl.float32, buffer=nl.sbuf)
+    if cut_causal:     # keep key s0+j for query q0+p when (q0+p) - (s0+j) >= 0
+        key = (q0 - s0, w)
+        tile = c.masks.get(key)
+        if tile is None:
+            zero = nl.ndarray((nl.tile_size.pmax, w), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.memset(dst=zero, value=0.0)
+            tile = c.masks[key] = nl.ndarray((nl.tile_size.pmax, w), dtype=nl.float32,
+                                             buffer=nl.sbuf)
+            nisa.affine_select(dst=tile, pattern=[[-1, w]], channel_multiplier=1, offset=q0 - s0,
+                               on_true_tile=zero, on_false_value=_NEG, cmp_op=nl.greater_equal)
+        nisa.tensor_tensor(dst=sm, data1=src, data2=tile[0:r, :], op=nl.add)
+        src = sm
+    if cut_window:     # keep it when (s0+j) - (q0+p) + window - 1 >= 0
+        if src is s_ps:    # GpSimd reads SBUF only
+            nisa.tensor_copy(dst=sm, src=src)
+            src = sm
+        nisa.affine_select(dst=sm, pattern=[[1, w]], channel_multiplier=-1,
+                           offset=s0 - q0 + c.window - 1, on_true_tile=src, on_false_value=_NEG,
+                           cmp_op=nl.greater_equal)
+    return sm
+
+
+def _finish(x, b, d, q, out, tp_out, cache):
+    """Normalises the group's output, stores it, and its softmax statistics if asked."""
+    P = nl.tile_size.pmax
+    r, q0, g = x.r, x.q0, x.g
+    inv = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.reciprocal(dst=inv, data=x.l_sum)
+    o = nl.ndarray((r, d), dtype=q.dtype, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=o, data=x.acc, op0=nl.multiply, operand0=inv)
+    if tp_out:
+        oT_ps = nl.ndarray((d, r), dtype=q.dtype, buffer=nl.psum)
+        nisa.nc_transpose(dst=oT_ps, data=o)
+        oT = nl.ndarray((d, r), dtype=q.dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=oT, src=oT_ps)
+        nisa.dma_copy(dst=out[b, :, q0:q0 + r], src=oT)
+    else:
+        nisa.dma_copy(dst=out[b, q0:q0 + r, :], src=o)
+    if cache:
+        neg_max, sum_recip = cache
+        nm = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+        sr = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+        if r < P:      # rows past the sequence: the padding AWS's layout carries
+            nisa.memset(dst=nm, value=0.0)
+            nisa.memset(dst=sr, value=0.0)
+        nisa.tensor_scalar(dst=nm[0:r, :], data=x.m, op0=nl.multiply, operand0=-x.ls)
+        nisa.tensor_copy(dst=sr[0:r, :], src=inv)
+        nisa.dma_copy(dst=neg_max[b, :, g:g + 1], src=nm)
+        nisa.dma_copy(dst=sum_recip[b, :, g:g + 1], src=sr)
+
+
+def _load_qT(q, b, q0, r, d, tp_q):
+    """The query group transposed, head dim on partitions: the stationary operand."""
+    qT = nl.ndarray((d, r), dtype=q.dtype, buffer=nl.sbuf)
+    if not tp_q:
+        nisa.dma_copy(dst=qT, src=q[b, :, q0:q0 + r])
+        return qT
+    q_sb = nl.ndarray((r, d), dtype=q.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=q_sb, src=q[b, q0:q0 + r, :])
+    t_ps = nl.ndarray((d, r), dtype=q.dtype, buffer=nl.psum)
+    nisa.nc_transpose(dst=t_ps, data=q_sb)
+    nisa.tensor_copy(dst=qT, src=t_ps)
+    return qT
+
+
+def _load_kv(k, v, kb, s0, n, tp_k, d):
+    """Keys s0..s0+n of kv batch kb: K as (d, n) and V as (128, blocks, d), block j holding
+    keys s0 + 128j onwards on partitions."""
+    P = nl.tile_size.pmax
+    k_sb = nl.ndarray((d, n), dtype=k.dtype, buffer=nl.sbuf)
+    if not tp_k:     # in 512-key pieces, so the first scores need not wait for all of K
+        for c in range(0, n, _BANK):
+            nisa.dma_copy(dst=k_sb[:, c:c + min(_BANK, n - c)], src=k[kb, :, s0 + c:s0 + min(n, c + _BANK)])
+    n_blk = (n + P - 1) // P
+    v_sb = nl.ndarray((P, n_blk, d), dtype=v.dtype, buffer=nl.sbuf)
+    for j in range(n_blk):
+        kw = min(P, n - j * P)
+        nisa.dma_copy(dst=v_sb[0:kw, j, :], src=v[kb, s0 + j * P:s0 + j * P + kw, :])
+        if tp_k:
+            kt = nl.ndarray((kw, d), dtype=k.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=kt, src=k[kb, s0 + j * P:s0 + j * P + kw, :])
+            t_ps = nl.ndarray((d, kw), dtype=k.dtype, buffer=nl.psum)
+            nisa.nc_transpose(dst=t_ps, data=kt)
+            nisa.tensor_copy(dst=k_sb[:, j * P:j * P + kw], src=t_ps)
+    return k_sb, v_sb
