@@ -56,11 +56,26 @@ _SCALAR_TYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
 
 def _shapes(sig) -> list:
     out, i = [], 0
-    while i < len(sig):
+    while i < len(sig) and sig[i] >= 0:
         nd = sig[i]
         out.append(tuple(sig[i + 1:i + 1 + nd]))
         i += 1 + nd
     return out
+
+
+def _flags(sig) -> int:
+    """The cost flags the runtime appends for attention ops (bit 0 causal, bit 1 a mask,
+    bit 2 dropout), or 0."""
+    i = 0
+    while i < len(sig) and sig[i] >= 0:
+        i += 1 + sig[i]
+    return int(sig[i + 1]) if i + 1 < len(sig) and sig[i] == -1 else 0
+
+
+# Ops whose time is a kernel library's modelled time rather than the roofline: op name ->
+# callable(profile, lnc, shapes, dtype, flags) returning seconds, or None when that kernel
+# does not cover the call. torch_neuronx.kernels.nkilib_routes registers them.
+KERNEL_COSTS: dict = {}
 
 
 def _matmul_dims(name: str, shapes: list):
@@ -150,13 +165,20 @@ _listeners: list = []
 _lock = threading.Lock()  # compiled graphs and collectives add from other threads
 
 
-def op_seconds(p, lnc, op, shapes, dtype, bytes_in, bytes_out, count=1) -> tuple:
+def op_seconds(p, lnc, op, shapes, dtype, bytes_in, bytes_out, count=1, flags=0) -> tuple:
     """(seconds, engine, flops) of ``count`` launches of a device op (not a copy) on the
     chip: its launch and kernel latency, then the longer of its engine work and its HBM
-    traffic. Eager ops are charged by it, and compiled graphs' library calls estimated."""
+    traffic, or the modelled time of the library kernel it is routed to (KERNEL_COSTS).
+    Eager ops are charged by it, and compiled graphs' library calls estimated."""
     hbm = (bytes_in + bytes_out) / p.core_hbm_bandwidth(lnc)
     dims = _matmul_dims(op, shapes) if op in _TENSORE else None
     flops = 0.0
+    routed = KERNEL_COSTS.get(op)
+    kernel = routed(p, lnc, shapes, dtype, flags) if routed is not None else None
+    if kernel is not None:
+        if dims is not None:
+            flops = count * 2.0 * math.prod(dims) * (0.5 if flags & 1 else 1.0)
+        return count * (p.launch_overhead_ns * 1e-9 + kernel), "tensor", flops
     if dims is not None:
         compute = count * _tensore_seconds(p, dims, dtype, lnc)
         flops = count * 2.0 * math.prod(dims)
@@ -192,7 +214,7 @@ def _account(record) -> tuple:
         engine = "dma"
     else:
         seconds, engine, flops = op_seconds(p, lnc, op, _shapes(sig), dtype, bytes_in,
-                                            bytes_out, count)
+                                            bytes_out, count, _flags(sig))
         t.flops += flops
         t.hbm_bytes += bytes_in + bytes_out
     t.launches += count

@@ -237,6 +237,7 @@ bool run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const size_t n = args.size();
   const size_t base = stack->size() - n;
   Context ctx;
+  const int64_t flags = cost_flags(schema, stack->data() + base, n);
   c10::SmallVector<std::pair<size_t, c10::IValue>, 2> originals;  // mutable args as passed
   int gen_slot = -1;
   at::Generator gen_dev;
@@ -400,6 +401,7 @@ bool run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
   c10::ScalarType dtype = ctx.dtype != c10::ScalarType::Undefined ? ctx.dtype : out_dtype;
   if (dtype != c10::ScalarType::Undefined) warn_if_unportable(op, dtype);
+  ctx.sig.flag(flags);
   commit(ctx.sig, schema.operator_name().name.c_str(), ctx.device,
          dtype == c10::ScalarType::Undefined ? c10::kFloat : dtype, ctx.bytes_in, bytes_out);
   return by_policy;

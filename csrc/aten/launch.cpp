@@ -446,6 +446,7 @@ bool try_launch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
     if (!p.isDouble() || p.toDouble() != 0.0) return false;
   }
 
+  const int64_t flags = cost_flags(schema, stack->data() + base, n);
   Args a;
   a.key.push_back(reinterpret_cast<int64_t>(&schema));
   for (size_t i = 0; i < n && a.ok; ++i) a.value((*stack)[base + i], plan.has_tensor_input);
@@ -638,7 +639,8 @@ bool try_launch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
     fusion::append(a.device, current_stream_id(a.device), std::move(f));
     return true;
   }
-  record_op(schema.operator_name().name.c_str(), a.device, dtype, a.first, a.bytes_in, bytes_out);
+  record_op(schema.operator_name().name.c_str(), a.device, dtype, a.first, a.bytes_in, bytes_out,
+            flags);
   fusion::count_launch();
   const char* name = schema.operator_name().name.c_str();
   const int64_t stream_id = current_stream_id(a.device);

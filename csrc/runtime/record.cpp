@@ -45,10 +45,27 @@ void commit(Signature& s, const char* name, c10::DeviceIndex d, c10::ScalarType 
   v.bytes_out += bytes_out;
 }
 
+int64_t cost_flags(const c10::FunctionSchema& schema, const c10::IValue* args, size_t n) {
+  if (schema.name().find("attention") == std::string::npos) return -1;
+  int64_t f = 0;
+  const auto& formals = schema.arguments();
+  for (size_t i = 0; i < n && i < formals.size(); ++i) {
+    const std::string& a = formals[i].name();
+    const c10::IValue& v = args[i];
+    if (a == "is_causal" && v.isBool() && v.toBool()) f |= 1;
+    if ((a == "attn_mask" || a == "attn_bias") && v.isTensor() && v.toTensor().defined() &&
+        v.toTensor().numel() > 0) f |= 2;
+    if (a == "dropout_p" && v.isDouble() && v.toDouble() > 0) f |= 4;
+  }
+  return f;
+}
+
 void record_op(const char* name, c10::DeviceIndex d, c10::ScalarType dtype,
-               c10::ArrayRef<at::Tensor> shape_tensors, int64_t bytes_in, int64_t bytes_out) {
+               c10::ArrayRef<at::Tensor> shape_tensors, int64_t bytes_in, int64_t bytes_out,
+               int64_t flags) {
   Signature s;
   for (const auto& t : shape_tensors) s.add(t);
+  s.flag(flags);
   commit(s, name, d, dtype, bytes_in, bytes_out);
 }
 

@@ -13,6 +13,9 @@
 
 namespace neuron {
 
+// Signature capacity: three 4-D shapes (15 words) and the cost-flags pair.
+constexpr int kSigWords = 18;
+
 struct RecordKey {
   const char* name;
   int8_t device;
@@ -20,7 +23,7 @@ struct RecordKey {
   uint8_t len;
   int64_t stream;
   int64_t epoch;  // see timeline_epoch(): work of different epochs never overlaps
-  std::array<int64_t, 16> sig;
+  std::array<int64_t, kSigWords> sig;
   bool operator==(const RecordKey& o) const {
     return name == o.name && device == o.device && dtype == o.dtype && len == o.len &&
            stream == o.stream && epoch == o.epoch &&
@@ -35,19 +38,31 @@ struct Signature {
   void add(const at::Tensor& t) {
     if (tensors == 3) return;
     int nd = t.dim();
-    if (key.len + 1 + nd > 16) return;
+    if (key.len + 1 + nd > kSigWords - 2) return;
     key.sig[key.len++] = nd;
     for (int i = 0; i < nd; ++i) key.sig[key.len++] = t.size(i);
     ++tensors;
   }
+  // Arguments beyond the shapes that change the cost (see cost_flags), as a trailing
+  // [-1, flags] pair.
+  void flag(int64_t f) {
+    if (f < 0 || key.len + 2 > kSigWords) return;
+    key.sig[key.len++] = -1;
+    key.sig[key.len++] = f;
+  }
 };
+
+// For attention ops, the arguments their cost depends on beyond the shapes (bit 0: causal,
+// bit 1: a mask or bias, bit 2: dropout); -1 for every other op.
+int64_t cost_flags(const c10::FunctionSchema& schema, const c10::IValue* args, size_t n);
 
 void commit(Signature& s, const char* name, c10::DeviceIndex d, c10::ScalarType dtype,
             int64_t bytes_in, int64_t bytes_out);
 inline int64_t nbytes(const at::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; }
 
 void record_op(const char* name, c10::DeviceIndex d, c10::ScalarType dtype,
-               c10::ArrayRef<at::Tensor> shape_tensors, int64_t bytes_in, int64_t bytes_out);
+               c10::ArrayRef<at::Tensor> shape_tensors, int64_t bytes_in, int64_t bytes_out,
+               int64_t flags = -1);
 // A fused pointwise kernel: n_ops ops over numel elements, one HBM round trip.
 void record_fused(c10::DeviceIndex d, c10::ScalarType dtype, int64_t numel, int64_t n_ops,
                   int64_t bytes_in, int64_t bytes_out);

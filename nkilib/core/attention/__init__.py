@@ -1,4 +1,3 @@
-"""Attention: prefill (``attention_cte``), backward (``attention_bwd``), decode against a
-paged KV cache (``attention_tkg``)."""
-from .attention_bwd import attention_bwd  # noqa: F401
-from .attention_cte import attention_cte  # noqa: F401
+"""Attention: prefill (``attention_cte``) and backward (``attention_bwd``); import each from
+its module, as AWS's package lays them out
+(``from nkilib.core.attention.attention_cte import attention_cte``)."""

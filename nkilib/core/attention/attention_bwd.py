@@ -21,6 +21,8 @@ import nki.isa as nisa
 import nki.language as nl
 from nki import errors as E
 
+from ..utils.pipeline import pipeline as _pipeline
+
 _NEG = -3.0e38
 
 
@@ -86,42 +88,18 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
                 nisa.tensor_scalar(dst=neg_lse, data=neg_lse, op0=nl.multiply, operand0=-1.0)
                 dq_acc = nl.ndarray((P, Gq, d), dtype=nl.float32, buffer=nl.sbuf)
                 nisa.memset(dst=dq_acc, value=0.0)
+                units = []
                 for j in range(Gk):
                     k0, kw = j * P, min(P, Skv - j * P)
                     blocks = [i for i in range(Gq) if _needed(i * P, k0, kw, use_causal_mask, window)]
                     if not blocks:
                         continue
-                    dv_ps = nl.ndarray((kw, d), dtype=nl.float32, buffer=nl.psum)
-                    dk_ps = nl.ndarray((kw, d), dtype=nl.float32, buffer=nl.psum)
-                    for n, i in enumerate(blocks):
-                        q0 = i * P
-                        s_ps = nl.ndarray((P, kw), dtype=nl.float32, buffer=nl.psum)
-                        nisa.nc_matmul(dst=s_ps, stationary=qT[:, q0:q0 + P], moving=kT[:, k0:k0 + kw])
-                        src = _mask(s_ps, q0, k0, kw, use_causal_mask, window)
-                        p = nl.ndarray((P, kw), dtype=mm_dtype, buffer=nl.sbuf)
-                        nisa.activation(dst=p, op=nl.exp, data=src, scale=scale,
-                                        bias=neg_lse[:, i:i + 1])
-                        dp_ps = nl.ndarray((P, kw), dtype=nl.float32, buffer=nl.psum)
-                        nisa.nc_matmul(dst=dp_ps, stationary=dyT[:, q0:q0 + P], moving=vT[:, k0:k0 + kw])
-                        ds = nl.ndarray((P, kw), dtype=mm_dtype, buffer=nl.sbuf)
-                        nisa.scalar_tensor_tensor(dst=ds, data=dp_ps, op0=nl.subtract,
-                                                  operand0=Dq[:, i:i + 1], op1=nl.multiply, operand1=p)
-                        # dv += P^T dy and dk += dS^T q: contraction over the queries
-                        nisa.nc_matmul(dst=dv_ps, stationary=p, moving=dy_rows[:, i, :], accumulate=n > 0)
-                        nisa.nc_matmul(dst=dk_ps, stationary=ds, moving=q_rows[:, i, :], accumulate=n > 0)
-                        # dq += dS k: contraction over the keys, so dS^T as stationary
-                        dsT_ps = nl.ndarray((kw, P), dtype=mm_dtype, buffer=nl.psum)
-                        nisa.nc_transpose(dst=dsT_ps, data=ds)
-                        dsT = nl.ndarray((kw, P), dtype=mm_dtype, buffer=nl.sbuf)
-                        nisa.tensor_copy(dst=dsT, src=dsT_ps)
-                        dq_ps = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.psum)
-                        nisa.nc_matmul(dst=dq_ps, stationary=dsT, moving=k_rows[0:kw, j, :])
-                        nisa.tensor_tensor(dst=dq_acc[:, i, :], data1=dq_acc[:, i, :], data2=dq_ps,
-                                           op=nl.add)
-                    nisa.tensor_tensor(dst=dv_acc[0:kw, j, :], data1=dv_acc[0:kw, j, :], data2=dv_ps,
-                                       op=nl.add)
-                    nisa.tensor_tensor(dst=dk_acc[0:kw, j, :], data1=dk_acc[0:kw, j, :], data2=dk_ps,
-                                       op=nl.add)
+                    acc = _KeyBlock(j=j, k0=k0, kw=kw)
+                    units += [_block(acc, i, n == 0, n == len(blocks) - 1, kT, vT, k_rows, qT, dyT,
+                                     q_rows, dy_rows, Dq, neg_lse, dq_acc, dk_acc, dv_acc, scale,
+                                     use_causal_mask, window, mm_dtype, d)
+                              for n, i in enumerate(blocks)]
+                _pipeline(units)
                 for i in range(Gq):
                     _store_T(dq[b, h, :, i * P:(i + 1) * P], dq_acc[:, i, :], P, d, scale, dt)
             for j in range(Gk):
@@ -129,6 +107,62 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
                 _store_T(dk[b, hk, :, j * P:j * P + kw], dk_acc[0:kw, j, :], kw, d, scale, k_ref.dtype)
                 _store_T(dv[b, hk, :, j * P:j * P + kw], dv_acc[0:kw, j, :], kw, d, 1.0, v_ref.dtype)
     return dq, dk, dv
+
+
+class _KeyBlock:
+    """A key block's PSUM accumulators for dv and dk, shared by its query blocks' units."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _block(kb, i, first, last, kT, vT, k_rows, qT, dyT, q_rows, dy_rows, Dq, neg_lse, dq_acc,
+           dk_acc, dv_acc, scale, causal, window, mm_dtype, d):
+    """One (query block, key block) pair of the backward, as pipeline stages."""
+    P = nl.tile_size.pmax
+    j, k0, kw = kb.j, kb.k0, kb.kw
+    q0 = i * P
+    if first:
+        kb.dv_ps = nl.ndarray((kw, d), dtype=nl.float32, buffer=nl.psum)
+        kb.dk_ps = nl.ndarray((kw, d), dtype=nl.float32, buffer=nl.psum)
+    s_ps = nl.ndarray((P, kw), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=s_ps, stationary=qT[:, q0:q0 + P], moving=kT[:, k0:k0 + kw])
+    dp_ps = nl.ndarray((P, kw), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=dp_ps, stationary=dyT[:, q0:q0 + P], moving=vT[:, k0:k0 + kw])
+    yield 1
+    src = _mask(s_ps, q0, k0, kw, causal, window)
+    if src is not s_ps:
+        yield 1
+    p = nl.ndarray((P, kw), dtype=mm_dtype, buffer=nl.sbuf)
+    nisa.activation(dst=p, op=nl.exp, data=src, scale=scale, bias=neg_lse[:, i:i + 1])
+    del src, s_ps
+    yield 2
+    ds = nl.ndarray((P, kw), dtype=mm_dtype, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=ds, data=dp_ps, op0=nl.subtract, operand0=Dq[:, i:i + 1],
+                              op1=nl.multiply, operand1=p)
+    del dp_ps
+    yield 2
+    # dv += P^T dy and dk += dS^T q: contraction over the queries; dS^T for dq
+    nisa.nc_matmul(dst=kb.dv_ps, stationary=p, moving=dy_rows[:, i, :], accumulate=not first)
+    nisa.nc_matmul(dst=kb.dk_ps, stationary=ds, moving=q_rows[:, i, :], accumulate=not first)
+    dsT_ps = nl.ndarray((kw, P), dtype=mm_dtype, buffer=nl.psum)
+    nisa.nc_transpose(dst=dsT_ps, data=ds)
+    yield 2
+    dsT = nl.ndarray((kw, P), dtype=mm_dtype, buffer=nl.sbuf)
+    nisa.activation(dst=dsT, op=nl.copy, data=dsT_ps)
+    del dsT_ps
+    yield 2
+    # dq += dS k: contraction over the keys
+    dq_ps = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=dq_ps, stationary=dsT, moving=k_rows[0:kw, j, :])
+    yield 2
+    nisa.tensor_tensor(dst=dq_acc[:, i, :], data1=dq_acc[:, i, :], data2=dq_ps, op=nl.add)
+    if last:
+        nisa.tensor_tensor(dst=dv_acc[0:kw, j, :], data1=dv_acc[0:kw, j, :], data2=kb.dv_ps,
+                           op=nl.add)
+        nisa.tensor_tensor(dst=dk_acc[0:kw, j, :], data1=dk_acc[0:kw, j, :], data2=kb.dk_ps,
+                           op=nl.add)
+        kb.dv_ps = kb.dk_ps = None
 
 
 def _needed(q0, k0, kw, causal, window):

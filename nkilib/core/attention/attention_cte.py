@@ -26,6 +26,8 @@ import nki.isa as nisa
 import nki.language as nl
 from nki import errors as E
 
+from ..utils.pipeline import pipeline as _pipeline
+
 _NEG = -3.0e38          # masked score: exp() of it underflows to 0
 _BANK = 512             # fp32 scores per PSUM bank (2 KiB per partition): one matmul's output
 _SECTION = 512          # keys per online-softmax step
@@ -96,25 +98,8 @@ def attention_cte(q, k, v, scale=1.0, causal_mask=True, k_prior=None, v_prior=No
     return out
 
 
-def _pipeline(units):
-    """Software pipelining: unit i's stage k is issued at tick i + k. Each engine runs its
-    instructions in program order, so while a unit waits for another engine (the semaphore
-    latency), the engines work on the stages of the units before and after it."""
-    live = []
-    for u in units + [None] * _DEPTH:
-        if u is not None:
-            live.append(u)
-        for gen in list(live):
-            if next(gen, _DONE) is _DONE:
-                live.remove(gen)
-    for gen in live:        # stages beyond the depth (none when _DEPTH covers them)
-        for _ in gen:
-            pass
-
-
-_DONE = object()
-_INTERLEAVE = 4
-_DEPTH = 16
+# Ticks between a unit's stages while it holds its PSUM scores, and after.
+_EARLY, _LATE = 1, 2
 
 
 class _Cfg:
@@ -142,20 +127,20 @@ def _unit(c, x, s0, first, last):
     else:
         k_t, v_t = _load_kv(c.k, c.v, x.kb, s0, w, c.tp_k, d)
         vb0 = kc = 0
-    yield
+    yield _EARLY
     # TensorE: the scores, one PSUM bank per 512 keys
     s_ps = nl.ndarray((r, w), dtype=nl.float32, buffer=nl.psum)
     for col in range(0, w, _BANK):
         cw = min(_BANK, w - col)
         nisa.nc_matmul(dst=s_ps[:, col:col + cw], stationary=x.qT,
                        moving=k_t[:, kc + col:kc + col + cw])
-    yield
+    yield _EARLY
     src, ls = s_ps, c.lscale
     if c.cap:
         t = nl.ndarray((r, w), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=t, op=nl.tanh, data=s_ps, scale=c.lscale / c.cap)
         src, ls = t, float(c.cap)
-        yield
+        yield _EARLY
     src = _mask(c, src, s_ps, s0, w, x.q0, r)
     # VectorE: the row maximum and the new running maximum
     mx = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -164,7 +149,7 @@ def _unit(c, x, s0, first, last):
     nisa.tensor_tensor(dst=x.m, data1=m_old, data2=mx, op=nl.maximum)
     m_new = x.m
     x.ls = ls
-    yield
+    yield _EARLY
     # ScalarE: exp(ls * (s - m_new)) with its row sum, and the correction of the old terms
     bias = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=bias, op=nl.copy, data=m_new, scale=-ls)
@@ -175,8 +160,7 @@ def _unit(c, x, s0, first, last):
     corr = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=corr, op=nl.exp, data=m_old, scale=ls, bias=bias)
     del src, s_ps
-    yield
-    yield
+    yield _LATE
     # TensorE: each 128-key block of P transposed, keys onto partitions
     n_blk = (w + P - 1) // P
     pT_ps = []
@@ -187,8 +171,7 @@ def _unit(c, x, s0, first, last):
         pT_ps.append(t_ps)
     nisa.scalar_tensor_tensor(dst=x.l_sum, data=x.l_sum, op0=nl.multiply, operand0=corr,
                               op1=nl.add, operand1=row)
-    yield
-    yield
+    yield _LATE
     # to SBUF, on VectorE and ScalarE in turn
     pT = []
     for j, t_ps in enumerate(pT_ps):
@@ -199,21 +182,18 @@ def _unit(c, x, s0, first, last):
             nisa.tensor_copy(dst=t, src=t_ps)
         pT.append(t)
     del pT_ps
-    yield
-    yield
+    yield _LATE
     # TensorE: P @ V into one PSUM accumulator
     pv = nl.ndarray((r, d), dtype=nl.float32, buffer=nl.psum)
     for j, t in enumerate(pT):
         nisa.nc_matmul(dst=pv, stationary=t, moving=v_t[0:t.shape[0], vb0 + j, :],
                        accumulate=j > 0)
     del pT
-    yield
-    yield
+    yield _LATE
     nisa.scalar_tensor_tensor(dst=x.acc, data=x.acc, op0=nl.multiply, operand0=corr,
                               op1=nl.add, operand1=pv)
     if last:
-        yield
-        yield
+        yield _LATE
         _finish(x, x.b, d, c.q, c.out, c.tp_out, c.cache)
 
 

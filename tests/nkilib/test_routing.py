@@ -1,0 +1,107 @@
+"""scaled_dot_product_attention on neuron: modelled by NKI-lib's kernels, executed by them
+under TORCH_NEURONX_NKI_EXECUTE=1."""
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torch_neuronx import _state, cost_model
+from torch_neuronx.kernels import nkilib_routes as routes
+
+
+def _attention_time(fn, *args):
+    torch.neuron.synchronize()
+    cost_model.reset_modelled_time()
+    out = fn(*args)
+    torch.neuron.synchronize()
+    t = cost_model.modelled_time()
+    return out, t.by_op.get(routes.FWD, 0.0), t.by_op.get(routes.BWD, 0.0)
+
+
+def test_sdpa_time_is_the_kernels():
+    cfg = _state.config()
+    p, lnc = cfg.profile, cfg.lnc
+    q = torch.randn(2, 3, 256, 64, device="neuron")
+    k = torch.randn(2, 3, 256, 64, device="neuron")
+    _, full, _ = _attention_time(F.scaled_dot_product_attention, q, k, k)
+    _, causal, _ = _attention_time(lambda a, b: F.scaled_dot_product_attention(a, b, b, is_causal=True), q, k)
+    head_full = routes.head_latency_ns(p.name, "fwd", 256, 256, 64, "float32", False)
+    head_causal = routes.head_latency_ns(p.name, "fwd", 256, 256, 64, "float32", True)
+    launch = p.launch_overhead_ns * 1e-9
+    assert full == pytest.approx(launch + head_full * 1e-9 * 6 / lnc, rel=1e-9)
+    assert causal == pytest.approx(launch + head_causal * 1e-9 * 6 / lnc, rel=1e-9)
+    assert head_causal != head_full     # the causal flag reaches the cost
+
+
+def test_sdpa_backward_time_is_the_kernels():
+    cfg = _state.config()
+    q = torch.randn(1, 2, 256, 32, device="neuron", requires_grad=True)
+
+    def step(x):
+        F.scaled_dot_product_attention(x, x, x, is_causal=True).sum().backward()
+    _, _, bwd = _attention_time(step, q)
+    head = routes.head_latency_ns(cfg.profile.name, "bwd", 256, 256, 32, "float32", True)
+    assert bwd == pytest.approx(cfg.profile.launch_overhead_ns * 1e-9 + head * 1e-9 * 2 / cfg.lnc,
+                                rel=1e-9)
+
+
+def test_sdpa_uncovered_calls_keep_the_roofline(caplog):
+    q = torch.randn(1, 2, 128, 32, device="neuron")
+    mask = torch.zeros(128, 128, device="neuron")
+    cfg = _state.config()
+    with caplog.at_level(logging.DEBUG, logger="torch_neuronx.nkilib"):
+        _, masked, _ = _attention_time(lambda a: F.scaled_dot_product_attention(a, a, a, attn_mask=mask), q)
+    assert "an explicit attention mask" in caplog.text
+    roof, _, _ = cost_model.op_seconds(cfg.profile, cfg.lnc, routes.FWD, [tuple(q.shape)] * 3,
+                                       torch.float32, 4 * 3 * q.numel() + 4 * mask.numel(),
+                                       4 * q.numel() + 4 * 2 * 128, flags=0)
+    routed = cost_model.op_seconds(cfg.profile, cfg.lnc, routes.FWD, [tuple(q.shape)] * 3,
+                                   torch.float32, 0, 0, flags=0)[0]
+    assert masked != pytest.approx(routed)
+    assert masked > 0
+
+
+def test_compiled_sdpa_is_routed_too():
+    q = torch.randn(1, 2, 256, 64, device="neuron")
+    f = torch.compile(lambda x: F.scaled_dot_product_attention(x, x, x, is_causal=True),
+                      backend="neuron")
+    f(q)
+    out, fwd, _ = _attention_time(f, q)
+    _, eager, _ = _attention_time(lambda x: F.scaled_dot_product_attention(x, x, x, is_causal=True), q)
+    assert fwd == pytest.approx(eager, rel=1e-9)
+    torch.testing.assert_close(out.cpu(), F.scaled_dot_product_attention(q.cpu(), q.cpu(), q.cpu(),
+                                                                         is_causal=True))
+
+
+EXECUTE = textwrap.dedent("""
+    import torch, torch.nn.functional as F
+    from torch_neuronx.kernels import nkilib_routes as routes
+    assert routes.EXECUTE
+    torch.manual_seed(0)
+    for causal, shape in ((True, (2, 3, 256, 64)), (False, (1, 2, 200, 32))):
+        q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
+        qn, kn, vn = (t.detach().to("neuron").requires_grad_() for t in (q, k, v))
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        out = F.scaled_dot_product_attention(qn, kn, vn, is_causal=causal)
+        torch.testing.assert_close(out.cpu(), ref, atol=2e-5, rtol=2e-5)
+        if shape[2] % 128 == 0:
+            g = torch.randn(shape)
+            ref.backward(g)
+            out.backward(g.to("neuron"))
+            for a, b in ((qn, q), (kn, k), (vn, v)):
+                torch.testing.assert_close(a.grad.cpu(), b.grad, atol=5e-5, rtol=5e-5)
+    print("ok")
+""")
+
+
+def test_execute_mode_runs_the_kernels():
+    env = dict(os.environ, TORCH_NEURONX_NKI_EXECUTE="1")
+    r = subprocess.run([sys.executable, "-c", EXECUTE], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().endswith("ok")

@@ -1,0 +1,168 @@
+"""PyTorch ops routed to NKI-lib kernels on neuron.
+
+``scaled_dot_product_attention`` on 4-D neuron tensors reaches CPU's flash-attention op
+(``_scaled_dot_product_flash_attention_for_cpu`` and its backward), eagerly and from
+compiled graphs, where the host runs it at CPU speed with CPU's numerics. Its modelled time
+is that of NKI-lib's FlashAttention kernels (``nkilib.core.attention.attention_cte`` and
+``attention_bwd``) at the call's shape: one query head is simulated on the target chip
+once per (chip, shape, dtype, causal) and cached; a call costs that head's latency times
+its heads, spread over the logical core's physical cores as ``kernel[lnc]`` spreads them.
+Calls the kernels do not cover (an explicit mask, dropout, head dim > 128, a backward whose
+query length is not a multiple of 128, dtypes other than fp32/bf16/fp16) keep the
+roofline cost, and the logger ``torch_neuronx.nkilib`` says why at debug level.
+
+``TORCH_NEURONX_NKI_EXECUTE=1`` (read at import) executes the kernels themselves in the
+simulator instead of CPU's op, for validation: results then come from NKI-lib.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+
+import numpy as np
+import torch
+
+import nki
+from nkilib.core.attention.attention_bwd import attention_bwd
+from nkilib.core.attention.attention_cte import attention_cte
+
+from .. import _C, cost_model
+
+log = logging.getLogger("torch_neuronx.nkilib")
+
+EXECUTE = os.environ.get("TORCH_NEURONX_NKI_EXECUTE", "0") == "1"
+# Scores simulated per head at most; longer sequences are simulated at a shorter length
+# and the time scaled by the ratio of score blocks (the kernels' work is quadratic).
+_SIM_SCORES = 2048 * 2048
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+FWD = "_scaled_dot_product_flash_attention_for_cpu"
+BWD = "_scaled_dot_product_flash_attention_for_cpu_backward"
+
+
+def _decline(op, why):
+    log.debug("%s: not routed to NKI-lib (%s); charged by the roofline", op, why)
+    return None
+
+
+def _np_dtype(name):
+    if name == "bfloat16":
+        import ml_dtypes
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
+@functools.lru_cache(maxsize=512)
+def head_latency_ns(target: str, kind: str, sq: int, skv: int, d: int, dtype: str,
+                    causal: bool) -> float:
+    """Modelled latency of one query head of the NKI-lib kernel on one physical core."""
+    f = 1.0
+    while sq * skv / (f * f) > _SIM_SCORES:
+        f *= 2
+    s_q = max(128, int(sq / f) // 128 * 128) if kind == "bwd" else max(1, int(sq / f))
+    s_kv = max(1, int(skv / f))
+    ratio = (sq * skv) / (s_q * s_kv)
+    rng = np.random.default_rng(0)
+    dt = _np_dtype(dtype)
+
+    def rand(*shape):
+        return (0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(dt)
+    scale = 1.0 / math.sqrt(d)
+    if kind == "fwd":
+        r = nki.benchmark(attention_cte, target=target)(
+            rand(1, s_q, d), rand(1, d, s_kv), rand(1, s_kv, d), scale=scale, causal_mask=causal)
+    else:
+        lse = np.zeros((1, 1, 128, s_q // 128), np.float32)
+        r = nki.benchmark(attention_bwd, target=target)(
+            rand(1, 1, d, s_q), rand(1, 1, d, s_kv), rand(1, 1, d, s_kv), rand(1, 1, d, s_q),
+            rand(1, 1, d, s_q), lse, use_causal_mask=causal, softmax_scale=scale)
+    return r.latency_ns * ratio
+
+
+def _attention_seconds(op, kind, p, lnc, shapes, dtype, flags):
+    if len(shapes) < 3 or any(len(s) != 4 for s in shapes[:3]):
+        return _decline(op, f"shapes {shapes} are not 4-D")
+    q, k = (shapes[1], shapes[2]) if kind == "bwd" else (shapes[0], shapes[1])
+    B, H, sq, d = q
+    skv = k[2]
+    if flags & 2:
+        return _decline(op, "an explicit attention mask")
+    if flags & 4:
+        return _decline(op, "dropout")
+    if d > 128:
+        return _decline(op, f"head dim {d} > 128")
+    if dtype not in _DTYPES:
+        return _decline(op, f"dtype {dtype}")
+    if kind == "bwd" and sq % 128:
+        return _decline(op, f"query length {sq} is not a multiple of 128 (attention_bwd's "
+                            f"log-sum-exp layout)")
+    ns = head_latency_ns(p.name, kind, sq, skv, d, _DTYPES[dtype], bool(flags & 1))
+    return ns * 1e-9 * B * H / max(1, lnc)
+
+
+def _fwd_seconds(p, lnc, shapes, dtype, flags):
+    return _attention_seconds(FWD, "fwd", p, lnc, shapes, dtype, flags)
+
+
+def _bwd_seconds(p, lnc, shapes, dtype, flags):
+    return _attention_seconds(BWD, "bwd", p, lnc, shapes, dtype, flags)
+
+
+cost_model.KERNEL_COSTS[FWD] = _fwd_seconds
+cost_model.KERNEL_COSTS[BWD] = _bwd_seconds
+
+
+# ----------------------------------------------------------------------- execution mode
+def _on_cpu(op, *args, **kwargs):
+    """CPU's kernel for a call the NKI-lib kernels do not cover (execution mode only)."""
+    dev = next(a.device for a in args if isinstance(a, torch.Tensor))
+    torch.neuron.synchronize(dev)
+    conv = [(_C._cpu_alias(a) if isinstance(a, torch.Tensor) and a.device.type == "neuron" else a)
+            for a in args]
+    kw = {k: (_C._cpu_alias(v) if isinstance(v, torch.Tensor) and v.device.type == "neuron" else v)
+          for k, v in kwargs.items()}
+    out = op(*conv, **kw)
+    return tuple(o.to(dev) if isinstance(o, torch.Tensor) else o for o in out)
+
+
+def _execute_fwd(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    B, H, sq, d = query.shape
+    Hkv, skv = key.shape[1], key.shape[2]
+    if attn_mask is not None or dropout_p > 0 or d > 128 or H % Hkv or query.dtype not in _DTYPES:
+        _decline(FWD, "mask, dropout, head dim or dtype")
+        return _on_cpu(op, query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    sc = scale if scale is not None else 1.0 / math.sqrt(d)
+    q = query.reshape(B * H, sq, d).contiguous()
+    k = key.transpose(-1, -2).reshape(B * Hkv, d, skv).contiguous()
+    v = value.reshape(B * Hkv, skv, d).contiguous()
+    out, neg_max, sum_recip = attention_cte(q, k, v, scale=sc, causal_mask=bool(is_causal),
+                                            cache_softmax=True)
+    lse = -(neg_max + torch.log(sum_recip))             # (B*H, 128, G)
+    lse = lse.transpose(1, 2).reshape(B * H, -1)[:, :sq].reshape(B, H, sq)
+    return out.reshape(B, H, sq, d), lse.contiguous()
+
+
+def _execute_bwd(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,
+                 attn_mask=None, scale=None):
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    B, H, sq, d = query.shape
+    Hkv, skv = key.shape[1], key.shape[2]
+    if attn_mask is not None or dropout_p > 0 or d > 128 or sq % 128 or query.dtype not in _DTYPES:
+        _decline(BWD, "mask, dropout, head dim, query length or dtype")
+        return _on_cpu(op, grad_out, query, key, value, out, logsumexp, dropout_p, is_causal,
+                       attn_mask=attn_mask, scale=scale)
+
+    def t(x):
+        return x.transpose(-1, -2).contiguous()
+    lse = logsumexp.reshape(B, H, sq // 128, 128).transpose(-1, -2).contiguous()
+    dq, dk, dv = attention_bwd(t(query), t(key), t(value), t(out), t(grad_out), lse,
+                               use_causal_mask=bool(is_causal), softmax_scale=scale)
+    return t(dq), t(dk), t(dv)
+
+
+if EXECUTE:
+    _lib = torch.library.Library("aten", "IMPL")
+    _lib.impl(FWD, _execute_fwd, "PrivateUse1")
+    _lib.impl(BWD, _execute_bwd, "PrivateUse1")
