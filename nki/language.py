@@ -17,6 +17,7 @@ from .isa import _common as _isa_common
 from .simulator import context as _ctx
 from .simulator import rules as _rules
 from .simulator import tensor as _tensor
+from .simulator import tensore as _tensore
 from .simulator.dtypes import (  # noqa: F401  (public dtypes)
     DType, as_dtype, bfloat16, bool_, float4_e2m1fn, float8_e4m3, float8_e4m3fn, float8_e5m2,
     float16, float32, int8, int16, int32, int64, tfloat32, uint8, uint16, uint32, uint64)
@@ -58,6 +59,12 @@ def ndarray(shape, dtype, buffer=None, name=None, **kwargs):
     if isinstance(shape, int):
         shape = (shape,)
     return _ctx.current().alloc(shape, as_dtype(dtype), _kind(buffer), name)
+
+
+def _result(shape, dtype, buffer):
+    """A helper's result tile, which the helper's own instruction writes in full: no NaN
+    poisoning pass over it (that is for tiles the kernel allocates itself)."""
+    return _ctx.current().alloc(shape, as_dtype(dtype), _kind(buffer), None, fill=None)
 
 
 def empty_like(a, dtype=None, buffer=None, name=None, **kwargs):
@@ -174,7 +181,7 @@ def device_print(prefix, x, **kwargs):
 # ----------------------------------------------------------------------------- data movement
 def load(src, dtype=None, **kwargs):
     """Copy an HBM tensor (or a slice of it) into a new SBUF tile."""
-    t = ndarray(src.shape, dtype or src.dtype, sbuf)
+    t = _result(src.shape, dtype or src.dtype, sbuf)
     _isa.dma_copy(t, src)
     return t
 
@@ -185,7 +192,7 @@ def store(dst, value, **kwargs):
 
 
 def copy(x, dtype=None, **kwargs):
-    t = ndarray(x.shape, dtype or x.dtype, sbuf)
+    t = _result(x.shape, dtype or x.dtype, sbuf)
     _isa.tensor_copy(t, x)
     return t
 
@@ -210,7 +217,7 @@ def _result_dtype(*xs):
 
 def _broadcast_partition(t, P):
     """A (1, F) tile repeated over P partitions (GpSimd partition broadcast)."""
-    out = ndarray((P,) + tuple(t.shape[1:]), t.dtype, sbuf)
+    out = _result((P,) + tuple(t.shape[1:]), t.dtype, sbuf)
     sim = _ctx.current()
     sim.compute("partition_broadcast", "gpsimd", 150 + t.free_size, [t], [out])
     out.v[...] = np.broadcast_to(t.v, out.shape)
@@ -229,26 +236,26 @@ def _binary(op, x, y, dtype=None, **kwargs):
             elif y.shape[0] == 1:
                 y = _broadcast_partition(y, x.shape[0])
         if x.free_size == 1 and y.free_size > 1:
-            out = ndarray(y.shape, dt, sbuf)
+            out = _result(y.shape, dt, sbuf)
             _isa.tensor_scalar(out, y, op, x, reverse0=True)
             return out
         if y.free_size == 1 and x.free_size > 1:
-            out = ndarray(x.shape, dt, sbuf)
+            out = _result(x.shape, dt, sbuf)
             _isa.tensor_scalar(out, x, op, y)
             return out
         if tuple(x.shape) != tuple(y.shape) and x.free_size == y.free_size:
             y = y.reshape(x.shape)
-        out = ndarray(x.shape, dt, sbuf)
+        out = _result(x.shape, dt, sbuf)
         _isa.tensor_tensor(out, x, y, op)
         return out
     t, s, rev = (x, y, False) if xt else (y, x, True)
-    out = ndarray(t.shape, dt, sbuf)
+    out = _result(t.shape, dt, sbuf)
     _isa.tensor_scalar(out, t, op, s, reverse0=rev)
     return out
 
 
 def _unary(op, x, dtype=None, **kwargs):
-    out = ndarray(x.shape, dtype or x.dtype, sbuf)
+    out = _result(x.shape, dtype or x.dtype, sbuf)
     if op.kind == "bitvec1":
         _isa.tensor_scalar(out, x, _ops.BINARY["bitwise_xor"], -1)
     else:
@@ -267,7 +274,7 @@ def _reduce(op, x, axis, dtype, keepdims, negate=False):
         tuple(n for i, n in enumerate(x.shape) if i not in ax)
     if not shape or shape[0] != x.shape[0]:
         shape = (x.shape[0],) + shape[1:] if shape else (x.shape[0], 1)
-    out = ndarray(shape, dtype or x.dtype, sbuf)
+    out = _result(shape, dtype or x.dtype, sbuf)
     _isa.tensor_reduce(out, op, x, ax, negate=negate, keepdims=keepdims)
     return out
 
@@ -292,7 +299,7 @@ def prod(x, axis=None, dtype=None, keepdims=False, **kwargs):
 def mean(x, axis=None, dtype=None, keepdims=False, **kwargs):
     s = _reduce(_ops.BINARY["add"], x, axis, float32, keepdims)
     n = x.size // s.size
-    out = ndarray(s.shape, dtype or x.dtype, sbuf)
+    out = _result(s.shape, dtype or x.dtype, sbuf)
     _isa.tensor_scalar(out, s, multiply, 1.0 / n)
     return out
 
@@ -310,7 +317,7 @@ def where(condition, x, y, dtype=None, **kwargs):
     ref = next(t for t in (condition, x, y) if isinstance(t, NkiTensor))
     dt = as_dtype(dtype) if dtype is not None else _result_dtype(*(t for t in (x, y) if isinstance(t, NkiTensor))) \
         if isinstance(x, NkiTensor) or isinstance(y, NkiTensor) else float32
-    out = ndarray(ref.shape, dt, sbuf)
+    out = _result(ref.shape, dt, sbuf)
     reads = [t for t in (condition, x, y) if isinstance(t, NkiTensor)]
     _ctx.current().compute("select", "vector", builtins.max(64, 2 * ref.free_size), reads, [out])
     val = [t.v.reshape(ref.shape).astype(np.float32) if isinstance(t, NkiTensor) else np.float32(t)
@@ -321,7 +328,7 @@ def where(condition, x, y, dtype=None, **kwargs):
 
 def transpose(x, dtype=None, **kwargs):
     """Swap partition and free axes of a 2-D tile on TensorE (result in PSUM)."""
-    out = ndarray((x.free_size, x.shape[0]), dtype or x.dtype, psum)
+    out = _result((x.free_size, x.shape[0]), dtype or x.dtype, psum)
     _isa.nc_transpose(out, x)
     return out
 
@@ -333,23 +340,55 @@ def matmul(x, y, transpose_x=False, **kwargs):
     if not transpose_x:
         xt = transpose(x)
         x = copy(xt)
-    out = ndarray((x.free_size, y.free_size), float32, psum)
+    out = _result((x.free_size, y.free_size), float32, psum)
     _isa.nc_matmul(out, x, y)
+    # The queued GEMM computing it (True when it ran inline), for `acc += ...`.
+    out._matmul = _tensore.pool().last or True
     return out
+
+
+def _accumulate(acc, prod):
+    """``acc += nl.matmul(x, y)`` on a PSUM accumulator, as AWS's tutorials write it: NKI
+    compiles it to a matmul accumulating into acc's PSUM. The product is already computed
+    and charged to TensorE; it is added in place here, TensorE ordered after it at no
+    further cost."""
+    if tuple(acc.shape) != tuple(prod.shape):
+        _rules.fail(E.ShapeMismatchError, f"nl.matmul accumulation: the accumulator "
+                    f"{tuple(acc.shape)} and the product {tuple(prod.shape)} differ in shape")
+    if acc.dtype.name != "float32":
+        _rules.fail(E.DtypeLegalityError, f"nl.matmul accumulation: a PSUM accumulator is "
+                    f"float32, got {acc.dtype.name}")
+    sim = _ctx.current()
+    acc.buf.written = True
+    if sim.timing:
+        sim.tl.compute("nc_matmul", "tensor", 0, [prod.box()], [acc.box()])
+    gemm, a, p = prod._matmul, acc.v, prod.v
+
+    def work():
+        # Queued behind the GEMMs into acc's bank; waits for the product's own GEMM, which
+        # was queued earlier (so the waits cannot form a cycle).
+        if gemm is not True:
+            gemm.result()
+        np.add(a, p, out=a)
+    prof = sim.profile
+    key = acc.box()[1][2] // prof.psum_bank_bytes
+    _tensore.pool().submit(key, a.size * 128 if sim.in_run else 0, work,
+                           (acc.buf.data, prod.buf.data))
+    return acc
 
 
 def softmax(x, axis=-1, dtype=None, compute_dtype=None, **kwargs):
     """exp(x - max) / sum over the last free axis: VectorE max, ScalarE exp+sum, VectorE scale."""
     P = x.shape[0]
     _isa_common._axes(axis, x.ndim, "softmax")
-    mx = ndarray((P, 1), float32, sbuf)
+    mx = _result((P, 1), float32, sbuf)
     _isa.tensor_reduce(mx, maximum, x, tuple(range(1, x.ndim)) if x.ndim > 2 else 1, negate=True)
-    e = ndarray(x.shape, float32, sbuf)
-    s = ndarray((P, 1), float32, sbuf)
+    e = _result(x.shape, float32, sbuf)
+    s = _result((P, 1), float32, sbuf)
     _isa.activation(e, exp, x, bias=mx, reduce_op=add, reduce_res=s)
-    r = ndarray((P, 1), float32, sbuf)
+    r = _result((P, 1), float32, sbuf)
     _isa.reciprocal(r, s)
-    out = ndarray(x.shape, dtype or x.dtype, sbuf)
+    out = _result(x.shape, dtype or x.dtype, sbuf)
     _isa.tensor_scalar(out, e, multiply, r)
     return out
 
@@ -358,15 +397,15 @@ def rms_norm(x, w, axis=-1, n=None, epsilon=1e-6, dtype=None, compute_dtype=None
     """x / sqrt(sum(x^2) / n + epsilon) * w along the free axis."""
     P, F = x.shape[0], x.free_size
     n = F if n is None else n
-    sq = ndarray(x.shape, float32, sbuf)
-    ss = ndarray((P, 1), float32, sbuf)
+    sq = _result(x.shape, float32, sbuf)
+    ss = _result((P, 1), float32, sbuf)
     _isa.activation(sq, square, x, reduce_op=add, reduce_res=ss)
-    rs = ndarray((P, 1), float32, sbuf)
+    rs = _result((P, 1), float32, sbuf)
     _isa.tensor_scalar(rs, ss, multiply, 1.0 / n, op1=add, operand1=float(epsilon))
     _isa.activation(rs, rsqrt, rs)
     if w.shape[0] != P:
         w = _broadcast_partition(w if w.ndim > 1 else w.reshape(1, -1), P)
-    out = ndarray(x.shape, dtype or x.dtype, sbuf)
+    out = _result(x.shape, dtype or x.dtype, sbuf)
     _isa.scalar_tensor_tensor(out, x, multiply, rs, multiply, w.reshape(x.shape))
     return out
 
@@ -493,7 +532,7 @@ def broadcast_to(x, shape, dtype=None):
         x = _broadcast_partition(x, shape[0])
     if tuple(x.shape) == shape and dt == x.dtype:
         return x
-    out = ndarray(shape, dt, sbuf)
+    out = _result(shape, dt, sbuf)
     _ctx.current().compute("broadcast_free", "vector", builtins.max(64, out.free_size), [x], [out])
     out.v[...] = np.broadcast_to(x.v, shape).astype(out.v.dtype)
     return out
@@ -503,10 +542,10 @@ def var(x, axis, dtype=None, keepdims=False):
     """Population variance along free axes (numpy.var); keeps the reduced dims as 1, as AWS's.
     Two passes in float32: the mean, then the mean of squared deviations."""
     m = mean(x, axis=axis, dtype=float32, keepdims=True)
-    d = ndarray(x.shape, float32, sbuf)
+    d = _result(x.shape, float32, sbuf)
     _isa.tensor_scalar(d, x, subtract, m) if m.free_size == 1 else _isa.tensor_tensor(
         d, x, broadcast_to(m, x.shape), subtract)
-    sq = ndarray(x.shape, float32, sbuf)
+    sq = _result(x.shape, float32, sbuf)
     _isa.activation(sq, square, d)
     return mean(sq, axis=axis, dtype=dtype or x.dtype, keepdims=True)
 
@@ -530,7 +569,7 @@ def _by_magnitude(x, y, cmp, dtype):
 
 def dropout(x, rate, dtype=None):
     """Zero each element with probability ``rate`` (scalar or a (P, 1) tile) on VectorE."""
-    out = ndarray(x.shape, x.dtype, sbuf)
+    out = _result(x.shape, x.dtype, sbuf)
     _isa.dropout(out, x, rate)
     return out if dtype is None or as_dtype(dtype) == x.dtype else copy(out, dtype=dtype)
 
@@ -553,7 +592,7 @@ def shared_constant(constant):
     load time: no engine time."""
     arr = np.load(constant) if isinstance(constant, str) else np.asarray(constant)
     dt = as_dtype(arr.dtype.name if arr.dtype.name != "float64" else "float32")
-    t = ndarray(arr.shape, dt, shared_hbm)
+    t = _result(arr.shape, dt, shared_hbm)
     t.v[...] = arr.astype(t.v.dtype)
     return t
 
@@ -571,7 +610,7 @@ def load_transpose2d(src, dtype=None):
     """Load a 2-D HBM tensor into SBUF transposed (a DMA transpose)."""
     if src.ndim != 2:
         raise E.ShapeMismatchError(f"nki.language.load_transpose2d: a 2-D tensor, got {tuple(src.shape)}")
-    t = ndarray((src.shape[1], src.shape[0]), dtype or src.dtype, sbuf)
+    t = _result((src.shape[1], src.shape[0]), dtype or src.dtype, sbuf)
     _isa.dma_transpose(t, src)
     return t
 
@@ -584,21 +623,21 @@ def silu_dx(x, dtype=None):
 
 def gelu_dx(x, dtype=None):
     """d/dx gelu(x) = Phi(x) + x * phi(x) (exact GELU)."""
-    cdf = ndarray(x.shape, float32, sbuf)
+    cdf = _result(x.shape, float32, sbuf)
     _isa.activation(cdf, erf, x, scale=float(1 / np.sqrt(2)))  # erf(x / sqrt 2)
     return _derivative(x, cdf, lambda xv, ev: 0.5 * (1 + ev) + xv * np.exp(-0.5 * xv * xv) / np.sqrt(2 * np.pi), dtype)
 
 
 def gelu_apprx_sigmoid_dx(x, dtype=None):
     """d/dx of x * sigmoid(1.702 x)."""
-    s = ndarray(x.shape, float32, sbuf)
+    s = _result(x.shape, float32, sbuf)
     _isa.activation(s, sigmoid, x, scale=1.702)
     return _derivative(x, s, lambda xv, sv: sv + 1.702 * xv * sv * (1 - sv), dtype)
 
 
 def _derivative(x, first, finish, dtype):
     # The ScalarE table lookup above, then one VectorE pass combining it with x.
-    out = ndarray(x.shape, dtype or x.dtype, sbuf)
+    out = _result(x.shape, dtype or x.dtype, sbuf)
     _ctx.current().compute("activation_dx", "vector", builtins.max(64, x.free_size), [x, first], [out])
     xv = x.v.astype(np.float32)
     fv = first.v.astype(np.float32)

@@ -102,7 +102,8 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
             _put(dst, r + _f32(dst) if acc else r)
     key = dst.box()[1][2] // p.psum_bank_bytes if dst.kind == "psum" else 0
     # Outside a kernel run (interactive use) nothing would drain the queue: run inline.
-    _tensore.pool().submit(key, K * M * N if sim.in_run else 0, work)
+    _tensore.pool().submit(key, K * M * N if sim.in_run else 0, work,
+                           (stationary.buf.data, moving.buf.data, dst.buf.data))
 
 
 def nc_transpose(dst, data, engine=engine.unknown, name=None):

@@ -12,8 +12,18 @@ from . import rules
 from .dtypes import DType
 from .memory import Allocator
 from .tensor import Buffer, NkiTensor, new_id, take_spare
-from .tensore import drain
+from .tensore import busy, drain
 from .timing import Timeline
+
+
+def _touches_busy(reads, writes) -> bool:
+    for t in reads:
+        if busy(t.buf.data):
+            return True
+    for t in writes:
+        if busy(t.buf.data):
+            return True
+    return False
 
 
 class Sim:
@@ -59,11 +69,11 @@ class Sim:
                 self.shared.append(buf)
                 self.shared_i += 1
             return NkiTensor(buf, view)
-        store = take_spare(shape, dtype.storage)
+        # Storage a queued GEMM still uses is passed over, so the GEMMs keep running behind
+        # a loop that allocates a tile per step.
+        store = take_spare(shape, dtype.storage, busy)
         if store is None:
             store = np.empty(shape, dtype=dtype.storage)
-        else:
-            drain()     # a queued GEMM may still write the dead buffer this storage came from
         _fill(store, dtype, fill)
         if kind in ("shared_hbm", "hbm", "private_hbm"):
             buf = Buffer("hbm", dtype, store, name)
@@ -90,8 +100,8 @@ class Sim:
     # -- instruction issue -----------------------------------------------------------
     def compute(self, name, engine, cycles, reads=(), writes=()):
         self.count += 1
-        if name != "nc_matmul":
-            drain()             # queued GEMMs finish before anything else touches tiles
+        if name != "nc_matmul" and _touches_busy(reads, writes):
+            drain()             # queued GEMMs finish before anything touches their tiles
         rules.check_access(name, engine, reads, writes)
         rules.check_partitions(name, engine, list(reads) + list(writes), self.pmax)
         for w in writes:
@@ -101,7 +111,8 @@ class Sim:
 
     def dma(self, name, dst, src, efficiency=1.0):
         self.count += 1
-        drain()
+        if _touches_busy((src,), (dst,)):
+            drain()
         rules.check_access(name, "dma", [src], [dst])
         rules.check_partitions(name, "dma", [src, dst], self.pmax)
         dst.buf.written = True

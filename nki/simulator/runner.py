@@ -38,7 +38,7 @@ def _wrap_input(x, name, bridge=None):
     if host.dtype == d.storage and host.flags.c_contiguous and host.flags.writeable:
         store = host                       # used in place: writes land in the caller's memory
     else:
-        store = d.round(host.astype(np.float32)) if d.is_float else np.ascontiguousarray(host, d.storage)
+        store = d.from_real(host) if d.is_float else np.ascontiguousarray(host, d.storage)
         store = np.array(store, dtype=d.storage, copy=True)
     origin = _Origin(host, x if bridge is not None else None, bridge, store is host)
     if bridge is None and origin.in_place:

@@ -35,13 +35,18 @@ _SPARE_LIMIT = 256 << 20
 _spare_bytes = 0
 
 
-def take_spare(shape, dtype):
+def take_spare(shape, dtype, in_use=None):
+    """A recycled storage of this shape and dtype, the newest one ``in_use`` (a queued GEMM
+    still reads or writes it) does not claim; None if there is none."""
     global _spare_bytes
     lst = _SPARE.get((shape, dtype))
-    if lst:
-        a = lst.pop()
-        _spare_bytes -= a.nbytes
-        return a
+    if not lst:
+        return None
+    for i in range(len(lst) - 1, -1, -1):
+        if in_use is None or not in_use(lst[i]):
+            a = lst.pop(i)
+            _spare_bytes -= a.nbytes
+            return a
     return None
 
 
@@ -93,7 +98,7 @@ def _bounds(a: np.ndarray):
 class NkiTensor:
     """A view of an NKI buffer: ``shape``, ``dtype``, ``buffer`` as in AWS's NKI."""
 
-    __slots__ = ("buf", "v", "shape", "pstart", "_box")
+    __slots__ = ("buf", "v", "shape", "pstart", "_box", "_matmul")
 
     def __init__(self, buf: Buffer, view: np.ndarray):
         self.buf, self.v, self.shape = buf, view, view.shape
@@ -246,6 +251,12 @@ class NkiTensor:
         return f(other, self) if rev else f(self, other)
 
     def __add__(self, o): return self._bin(o, "add")
+
+    def __iadd__(self, o):
+        # `psum_acc += nl.matmul(...)`: a matmul accumulating into the PSUM tile
+        if self.kind == "psum" and isinstance(o, NkiTensor) and getattr(o, "_matmul", False):
+            return _language._accumulate(self, o)
+        return self._bin(o, "add")
     def __radd__(self, o): return self._bin(o, "add", True)
     def __sub__(self, o): return self._bin(o, "subtract")
     def __rsub__(self, o): return self._bin(o, "subtract", True)

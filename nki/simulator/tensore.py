@@ -9,6 +9,9 @@ hash to it, so matmuls into one bank (an accumulation group) stay in program ord
 Hazards are simple because TensorE only reads SBUF and writes PSUM: every other
 instruction (and every direct read of tile data) first waits for all queued GEMMs
 (``drain``). Until then no instruction can overwrite a GEMM's inputs or read its output.
+A dead tile's storage is recycled for a new tile; that waits only when a queued GEMM still
+uses that storage (``busy``), so loops that allocate a tile per step keep the GEMMs
+running behind them.
 """
 from __future__ import annotations
 
@@ -56,6 +59,8 @@ class _Pool:
                                            initializer=setter, initargs=(1,)) for i in range(n)] \
             if n > 1 else []
         self.pending = []
+        self.busy = set()          # ids of the storages queued GEMMs read or write
+        self.last = None
         self.scratch = threading.local()
 
     def tmp(self, shape):
@@ -67,16 +72,21 @@ class _Pool:
             t = d[shape] = np.empty(shape, np.float32)
         return t
 
-    def submit(self, key, macs, work):
+    def submit(self, key, macs, work, storages=()):
+        """Queue ``work`` (or run it now when small); ``last`` is then its future, or None."""
         if not self.workers or macs < _MIN_ASYNC_MACS:
             if self.pending:
                 self.drain()
             work()
+            self.last = None
             return
-        self.pending.append(self.workers[key % len(self.workers)].submit(work))
+        self.busy.update(id(a) for a in storages)
+        self.last = self.workers[key % len(self.workers)].submit(work)
+        self.pending.append(self.last)
 
     def drain(self):
         pending, self.pending = self.pending, []
+        self.busy.clear()
         err = None
         for f in pending:
             e = f.exception()
@@ -104,6 +114,11 @@ def pool() -> _Pool:
     if _pool is None:
         _pool = _Pool()
     return _pool
+
+
+def busy(storage) -> bool:
+    """Whether a queued GEMM reads or writes this storage array."""
+    return _pool is not None and id(storage) in _pool.busy
 
 
 def drain():
