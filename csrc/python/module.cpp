@@ -236,6 +236,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     torch::autograd::Engine::get_default_engine().stop();
   });
   m.def("_set_quiet", &neuron::set_quiet);
+  m.def("_set_op_records", &neuron::set_recording);
   m.def("_quiet", &neuron::quiet);
   m.def("_drain_op_records", &neuron::drain_records);
   // _launch_kernel(entry, name, kinds, *args): a compiled graph's C++ kernel on the queue

@@ -28,11 +28,15 @@ std::mutex g_record_mu;
 std::unordered_map<RecordKey, RecordValue, RecordKeyHash> g_records;
 // Set while printing: tensor printing computes in float64 internally, not the user.
 thread_local bool t_quiet = false;
+// Set while a Python kernel charges its own modelled time for the ops it runs (FlexAttention
+// as NKI-lib's kernel): those ops are not recorded a second time.
+thread_local bool t_unrecorded = false;
 
 }  // namespace
 
 void commit(Signature& s, const char* name, c10::DeviceIndex d, c10::ScalarType dtype,
             int64_t bytes_in, int64_t bytes_out) {
+  if (t_unrecorded) return;
   s.key.name = name;
   s.key.device = static_cast<int8_t>(d);
   s.key.dtype = static_cast<int8_t>(dtype);
@@ -80,6 +84,11 @@ void record_fused(c10::DeviceIndex d, c10::ScalarType dtype, int64_t numel, int6
 }
 
 void set_quiet(bool on) { t_quiet = on; }
+bool set_recording(bool on) {
+  bool was = !t_unrecorded;
+  t_unrecorded = !on;
+  return was;
+}
 bool quiet() { return t_quiet; }
 
 

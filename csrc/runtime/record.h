@@ -74,6 +74,8 @@ drain_records();
 // computes in float64 internally, not the user).
 void warn_if_unportable(const c10::OperatorHandle& op, c10::ScalarType dtype);
 void set_quiet(bool on);
+// Whether this thread's ops are recorded for the cost model; returns the previous setting.
+bool set_recording(bool on);
 bool quiet();
 
 }  // namespace neuron

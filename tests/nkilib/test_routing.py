@@ -105,3 +105,38 @@ def test_execute_mode_runs_the_kernels():
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().endswith("ok")
+
+
+def _flex_time(fn, *args):
+    fn(*args)                               # compile outside the measurement
+    torch.neuron.synchronize()
+    cost_model.reset_modelled_time()
+    fn(*args)
+    torch.neuron.synchronize()
+    return cost_model.modelled_time()
+
+
+def test_flex_attention_time_is_the_block_sparse_kernels():
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    cfg = _state.config()
+    S, d = 256, 32
+    q = torch.randn(1, 2, S, d, device="neuron")
+    bm = create_block_mask(lambda b, h, qi, kv: qi >= kv, None, None, S, S, device="neuron")
+    f = torch.compile(lambda q: flex_attention(q, q, q, block_mask=bm), backend="neuron")
+    t = _flex_time(f, q)
+    # causal over two 128-blocks: 3 of the 4 (query block, key block) pairs are visited
+    want, flops = routes.flex_seconds("fwd", 1, 2, S, S, d, torch.float32, 0.75)
+    assert t.by_op["flex_attention"] == pytest.approx(want, rel=1e-9)
+    assert t.flops == pytest.approx(flops, rel=1e-9)
+    assert not [op for op in t.by_op if op in ("bmm", "exp", "amax")]   # no ATen ops charged
+
+
+def test_flex_attention_with_a_score_mod_keeps_the_op_costs():
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    q = torch.randn(1, 2, 128, 16, device="neuron")
+    bm = create_block_mask(lambda b, h, qi, kv: qi >= kv, None, None, 128, 128, device="neuron")
+    f = torch.compile(lambda q: flex_attention(q, q, q, score_mod=lambda s, b, h, i, j: s * 0.5,
+                                               block_mask=bm), backend="neuron")
+    t = _flex_time(f, q)
+    assert "flex_attention" not in t.by_op
+    assert t.seconds > 0

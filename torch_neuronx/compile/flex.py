@@ -23,6 +23,7 @@ registered in the process that runs the op.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 
@@ -150,6 +151,53 @@ def _attend(q, k, v, kv_num, kv_idx, full_num, full_idx, score_bufs, mask_bufs, 
     return torch.cat(outs, 2), torch.cat(lses, 2), torch.cat(maxes, 2)
 
 
+def _is_identity(gm) -> bool:
+    """Whether a score_mod graph returns the score unchanged (no score_mod given)."""
+    if gm is None:
+        return True
+    graph = getattr(gm, "graph", None)
+    if graph is None:
+        return False
+    nodes = list(graph.nodes)
+    places = [n for n in nodes if n.op == "placeholder"]
+    outs = [n for n in nodes if n.op == "output"]
+    if not places or len(outs) != 1 or len(nodes) != len(places) + 1:
+        return False
+    ret = outs[0].args[0]
+    ret = ret[0] if isinstance(ret, (tuple, list)) and len(ret) == 1 else ret
+    return ret is places[0]
+
+
+@contextlib.contextmanager
+def _as_nkilib(kind, q, k, kv_num, full_num, key, kv_block):
+    """Charges the call as NKI-lib's FlashAttention kernel visiting the blocks the block
+    mask lists (docs/nkilib.md) instead of the ATen ops that compute it here, when the
+    kernel covers it (no score_mod; any mask_mod). Otherwise the ops are charged as usual."""
+    from .. import _C, cost_model
+    from ..kernels import nkilib_routes as routes
+    secs = None
+    if not _is_identity(_fns(key)[0]):
+        routes._decline(f"flex_attention ({kind})", "a score_mod")
+    else:
+        B, H, L, d = q.shape
+        n_kv = -(-k.shape[2] // kv_block)
+        visited = kv_num.cpu().float().mean().item()
+        if full_num is not None:
+            visited += full_num.cpu().float().mean().item()
+        secs = routes.flex_seconds(kind, B, H, L, k.shape[2], d, q.dtype, min(1.0, visited / n_kv))
+    if secs is None:
+        yield
+        return
+    prev = _C._set_op_records(False)
+    try:
+        yield
+        torch.neuron.synchronize(q.device)    # Adaptive Eager windows close unrecorded too
+    finally:
+        _C._set_op_records(prev)
+    cost_model._add_time(q.device, "flex_attention" + ("_backward" if kind == "bwd" else ""),
+                         secs[0], engine="tensor", flops=secs[1])
+
+
 _lib = None
 
 
@@ -171,7 +219,7 @@ def _define_ops() -> None:
 
     def fwd(q, k, v, kv_num, kv_idx, full_num, full_idx, score_bufs, mask_bufs, key, scale,
             q_block, kv_block):
-        with torch.no_grad():
+        with torch.no_grad(), _as_nkilib("fwd", q, k, kv_num, full_num, key, kv_block):
             out, lse, mx = _attend(q, k, v, kv_num, kv_idx, full_num, full_idx, score_bufs,
                                    mask_bufs, key, scale, q_block, kv_block)
         # Same units as PyTorch's flex_attention op: log2 (the caller multiplies by ln 2).
@@ -179,7 +227,7 @@ def _define_ops() -> None:
 
     def bwd(q, k, v, grad_out, kv_num, kv_idx, full_num, full_idx, score_bufs, mask_bufs, key,
             scale, q_block, kv_block):
-        with torch.enable_grad():
+        with torch.enable_grad(), _as_nkilib("bwd", q, k, kv_num, full_num, key, kv_block):
             qd, kd, vd = (t.detach().requires_grad_(True) for t in (q, k, v))
             bufs = [b.detach().requires_grad_(b.is_floating_point()) for b in score_bufs]
             out, _, _ = _attend(qd, kd, vd, kv_num, kv_idx, full_num, full_idx, bufs,

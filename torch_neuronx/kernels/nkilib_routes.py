@@ -113,6 +113,25 @@ cost_model.KERNEL_COSTS[FWD] = _fwd_seconds
 cost_model.KERNEL_COSTS[BWD] = _bwd_seconds
 
 
+def flex_seconds(kind, B, H, sq, skv, d, dtype, fraction):
+    """(modelled seconds, flops) of a FlexAttention call (``kind`` "fwd" or "bwd") as
+    NKI-lib's kernel skipping the key blocks the block mask leaves out: the full kernel's
+    time at the shape times the fraction of (query block, key block) pairs visited; or
+    None when the kernel does not cover the call."""
+    from .. import _state
+    cfg = _state.config()
+    op = f"flex_attention ({kind})"
+    if d > 128:
+        return _decline(op, f"head dim {d} > 128")
+    if dtype not in _DTYPES:
+        return _decline(op, f"dtype {dtype}")
+    if kind == "bwd" and sq % 128:
+        return _decline(op, f"query length {sq} is not a multiple of 128")
+    ns = head_latency_ns(cfg.profile.name, kind, sq, skv, d, _DTYPES[dtype], False) * fraction
+    flops = (4.0 if kind == "fwd" else 8.0) * B * H * sq * skv * d * fraction
+    return cfg.profile.launch_overhead_ns * 1e-9 + ns * 1e-9 * B * H / max(1, cfg.lnc), flops
+
+
 # ----------------------------------------------------------------------- execution mode
 def _on_cpu(op, *args, **kwargs):
     """CPU's kernel for a call the NKI-lib kernels do not cover (execution mode only)."""
