@@ -52,6 +52,8 @@ CASES = [  # B, Bkv, Sq, Skv, d, causal, window, softcap
     (1, 1, 700, 700, 64, False, 300, None),     # window without causal
     (2, 2, 128, 700, 64, False, 0, 30.0),       # cross-length, logit soft-cap
     (1, 1, 1100, 1100, 16, True, 0, None),      # several 512-key sections, partial last
+    (1, 1, 1100, 1100, 128, True, 0, 30.0),     # PSUM-heavy: fp32 P tiles, soft-cap stage
+    (2, 2, 1100, 1100, 64, True, 300, None),    # causal and window cut the same sections
 ]
 
 

@@ -80,6 +80,9 @@ def attention_cte(q, k, v, scale=1.0, causal_mask=True, k_prior=None, v_prior=No
     cfg = _Cfg(q=q, k=k, v=v, out=out, d=d, Sq=Sq, Skv=Skv, tp_q=tp_q, tp_k=tp_k,
                tp_out=tp_out, causal=causal_mask, window=window, lscale=lscale, cap=cap,
                p_dtype=p_dtype, resident=resident, kv=None, masks={},
+               # ticks between the stages after the scores: 2 overlaps more units, but fp32
+               # P tiles take twice the PSUM, which then holds fewer units
+               late=1 if fp32 else 2,
                cache=(neg_max, sum_recip) if cache_softmax else None)
     groups = []
     for b in range(B):
@@ -92,14 +95,21 @@ def attention_cte(q, k, v, scale=1.0, causal_mask=True, k_prior=None, v_prior=No
             x.secs = list(range(x.lo, x.hi, _SECTION))
             groups.append(x)
     units = [(x, s0, j == 0, j == len(x.secs) - 1) for x in groups for j, s0 in enumerate(x.secs)]
-    _pipeline([_unit(cfg, *u) for u in units])
+    # PSUM in rings of slots, taken in turn by consecutive units: a slot is written again
+    # only after the unit that used it last has issued its reads (the pipeline's fixed
+    # stage offsets guarantee it for these ring sizes), and an allocator never fragments
+    # PSUM into pieces no 2 KiB score tile fits.
+    ns = 3 if fp32 else 4
+    cfg.s_ring = nl.ndarray((P, ns, _BANK), dtype=nl.float32, buffer=nl.psum)
+    cfg.pt_ring = nl.ndarray((P, 3, _SECTION // P, P), dtype=p_dtype, buffer=nl.psum)
+    cfg.pv_ring = nl.ndarray((P, 3, d), dtype=nl.float32, buffer=nl.psum)
+    cfg.t_ring = {}
+    _pipeline([_unit(cfg, i, *u) for i, u in enumerate(units)])
     if cache_softmax:
         return out, neg_max, sum_recip
     return out
 
 
-# Ticks between a unit's stages while it holds its PSUM scores, and after.
-_EARLY, _LATE = 1, 2
 
 
 class _Cfg:
@@ -107,15 +117,25 @@ class _Cfg:
         self.__dict__.update(kw)
 
 
-def _unit(c, x, s0, first, last):
+def _scratch(c, rows, cols, dtype):
+    """A PSUM tile for a transpose that is copied out at once (queries, keys, output)."""
+    P = nl.tile_size.pmax
+    ring = c.t_ring.get(dtype.name)
+    if ring is None:
+        ring = c.t_ring[dtype.name] = [nl.ndarray((P, 2, P), dtype=dtype, buffer=nl.psum), 0]
+    ring[1] ^= 1
+    return ring[0][0:rows, ring[1], 0:cols]
+
+
+def _unit(c, i, x, s0, first, last):
     """One query group against one section of keys, as stages separated by ``yield``."""
     P = nl.tile_size.pmax
     r, d = x.r, c.d
     w = min(_SECTION, x.hi - s0)
     if first:      # the queries first: K and V of a new batch take longer
-        x.qT = _load_qT(c.q, x.b, x.q0, r, d, c.tp_q)
+        x.qT = _load_qT(c, x.b, x.q0, r, d)
         if c.resident and (c.kv is None or c.kv[0] != x.kb):
-            c.kv = (x.kb,) + _load_kv(c.k, c.v, x.kb, 0, c.Skv, c.tp_k, d)
+            c.kv = (x.kb,) + _load_kv(c, x.kb, 0, c.Skv, d)
         x.m = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=x.m, value=_NEG)
         x.l_sum = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -125,22 +145,22 @@ def _unit(c, x, s0, first, last):
     if c.resident:   # k_t is the batch's K, kc its column of key s0
         k_t, v_t, vb0, kc = c.kv[1], c.kv[2], s0 // P, s0
     else:
-        k_t, v_t = _load_kv(c.k, c.v, x.kb, s0, w, c.tp_k, d)
+        k_t, v_t = _load_kv(c, x.kb, s0, w, d)
         vb0 = kc = 0
-    yield _EARLY
+    yield 1
     # TensorE: the scores, one PSUM bank per 512 keys
-    s_ps = nl.ndarray((r, w), dtype=nl.float32, buffer=nl.psum)
+    s_ps = c.s_ring[0:r, i % c.s_ring.shape[1], 0:w]
     for col in range(0, w, _BANK):
         cw = min(_BANK, w - col)
         nisa.nc_matmul(dst=s_ps[:, col:col + cw], stationary=x.qT,
                        moving=k_t[:, kc + col:kc + col + cw])
-    yield _EARLY
+    yield 1
     src, ls = s_ps, c.lscale
     if c.cap:
         t = nl.ndarray((r, w), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=t, op=nl.tanh, data=s_ps, scale=c.lscale / c.cap)
         src, ls = t, float(c.cap)
-        yield _EARLY
+        yield 1
     src = _mask(c, src, s_ps, s0, w, x.q0, r)
     # VectorE: the row maximum and the new running maximum
     mx = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -149,7 +169,7 @@ def _unit(c, x, s0, first, last):
     nisa.tensor_tensor(dst=x.m, data1=m_old, data2=mx, op=nl.maximum)
     m_new = x.m
     x.ls = ls
-    yield _EARLY
+    yield 1
     # ScalarE: exp(ls * (s - m_new)) with its row sum, and the correction of the old terms
     bias = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=bias, op=nl.copy, data=m_new, scale=-ls)
@@ -160,18 +180,18 @@ def _unit(c, x, s0, first, last):
     corr = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=corr, op=nl.exp, data=m_old, scale=ls, bias=bias)
     del src, s_ps
-    yield _LATE
+    yield c.late
     # TensorE: each 128-key block of P transposed, keys onto partitions
     n_blk = (w + P - 1) // P
     pT_ps = []
     for j in range(n_blk):
         kw = min(P, w - j * P)
-        t_ps = nl.ndarray((kw, r), dtype=c.p_dtype, buffer=nl.psum)
+        t_ps = c.pt_ring[0:kw, i % c.pt_ring.shape[1], j, 0:r]
         nisa.nc_transpose(dst=t_ps, data=p[:, j * P:j * P + kw])
         pT_ps.append(t_ps)
     nisa.scalar_tensor_tensor(dst=x.l_sum, data=x.l_sum, op0=nl.multiply, operand0=corr,
                               op1=nl.add, operand1=row)
-    yield _LATE
+    yield c.late
     # to SBUF, on VectorE and ScalarE in turn
     pT = []
     for j, t_ps in enumerate(pT_ps):
@@ -182,19 +202,19 @@ def _unit(c, x, s0, first, last):
             nisa.tensor_copy(dst=t, src=t_ps)
         pT.append(t)
     del pT_ps
-    yield _LATE
+    yield c.late
     # TensorE: P @ V into one PSUM accumulator
-    pv = nl.ndarray((r, d), dtype=nl.float32, buffer=nl.psum)
+    pv = c.pv_ring[0:r, i % c.pv_ring.shape[1], :]
     for j, t in enumerate(pT):
         nisa.nc_matmul(dst=pv, stationary=t, moving=v_t[0:t.shape[0], vb0 + j, :],
                        accumulate=j > 0)
     del pT
-    yield _LATE
+    yield c.late
     nisa.scalar_tensor_tensor(dst=x.acc, data=x.acc, op0=nl.multiply, operand0=corr,
                               op1=nl.add, operand1=pv)
     if last:
-        yield _LATE
-        _finish(x, x.b, d, c.q, c.out, c.tp_out, c.cache)
+        yield c.late
+        _finish(c, x, d)
 
 
 class _Group:
@@ -206,46 +226,42 @@ class _Group:
 
 
 def _mask(c, src, s_ps, s0, w, q0, r):
-    """The section's logits with the causal or window mask applied where it cuts through.
-    A causal cut is an add of a mask tile made once per offset (VectorE reads the scores in
-    PSUM directly); a window cut is an ``affine_select`` on GpSimd."""
-    cut_causal = c.causal and s0 + w - 1 > q0
-    cut_window = c.window and s0 < q0 + r - c.window
+    """The section's logits with the causal and window masks added where they cut through
+    it: an add of a 0/-inf tile made once per (offset, width) on GpSimd, read by VectorE
+    with the scores in PSUM (masks only depend on where the section sits)."""
+    cut_causal = bool(c.causal and s0 + w - 1 > q0)
+    cut_window = bool(c.window and s0 < q0 + r - c.window)
     if not (cut_causal or cut_window):
         return src
-    sm = nl.ndarray((r, w), dtype=nl.float32, buffer=nl.sbuf)
-    if cut_causal:     # keep key s0+j for query q0+p when (q0+p) - (s0+j) >= 0
-        key = (q0 - s0, w)
-        tile = c.masks.get(key)
-        if tile is None:
-            zero = nl.ndarray((nl.tile_size.pmax, w), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.memset(dst=zero, value=0.0)
-            tile = c.masks[key] = nl.ndarray((nl.tile_size.pmax, w), dtype=nl.float32,
-                                             buffer=nl.sbuf)
+    key = (q0 - s0, w, cut_causal, cut_window)
+    tile = c.masks.get(key)
+    if tile is None:
+        P = nl.tile_size.pmax
+        tile = nl.ndarray((P, w), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=tile, value=0.0)
+        if cut_causal:     # keep key s0+j for query q0+p when (q0+p) - (s0+j) >= 0
             nisa.affine_select(dst=tile, pattern=[[-1, w]], channel_multiplier=1, offset=q0 - s0,
-                               on_true_tile=zero, on_false_value=_NEG, cmp_op=nl.greater_equal)
-        nisa.tensor_tensor(dst=sm, data1=src, data2=tile[0:r, :], op=nl.add)
-        src = sm
-    if cut_window:     # keep it when (s0+j) - (q0+p) + window - 1 >= 0
-        if src is s_ps:    # GpSimd reads SBUF only
-            nisa.tensor_copy(dst=sm, src=src)
-            src = sm
-        nisa.affine_select(dst=sm, pattern=[[1, w]], channel_multiplier=-1,
-                           offset=s0 - q0 + c.window - 1, on_true_tile=src, on_false_value=_NEG,
-                           cmp_op=nl.greater_equal)
+                               on_true_tile=tile, on_false_value=_NEG, cmp_op=nl.greater_equal)
+        if cut_window:     # and when (s0+j) - (q0+p) + window - 1 >= 0
+            nisa.affine_select(dst=tile, pattern=[[1, w]], channel_multiplier=-1,
+                               offset=s0 - q0 + c.window - 1, on_true_tile=tile,
+                               on_false_value=_NEG, cmp_op=nl.greater_equal)
+        c.masks[key] = tile
+    sm = nl.ndarray((r, w), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=sm, data1=src, data2=tile[0:r, :], op=nl.add)
     return sm
 
 
-def _finish(x, b, d, q, out, tp_out, cache):
+def _finish(c, x, d):
     """Normalises the group's output, stores it, and its softmax statistics if asked."""
     P = nl.tile_size.pmax
-    r, q0, g = x.r, x.q0, x.g
+    r, q0, g, b, q, out, cache = x.r, x.q0, x.g, x.b, c.q, c.out, c.cache
     inv = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.reciprocal(dst=inv, data=x.l_sum)
     o = nl.ndarray((r, d), dtype=q.dtype, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=o, data=x.acc, op0=nl.multiply, operand0=inv)
-    if tp_out:
-        oT_ps = nl.ndarray((d, r), dtype=q.dtype, buffer=nl.psum)
+    if c.tp_out:
+        oT_ps = _scratch(c, d, r, q.dtype)
         nisa.nc_transpose(dst=oT_ps, data=o)
         oT = nl.ndarray((d, r), dtype=q.dtype, buffer=nl.sbuf)
         nisa.tensor_copy(dst=oT, src=oT_ps)
@@ -265,24 +281,26 @@ def _finish(x, b, d, q, out, tp_out, cache):
         nisa.dma_copy(dst=sum_recip[b, :, g:g + 1], src=sr)
 
 
-def _load_qT(q, b, q0, r, d, tp_q):
+def _load_qT(c, b, q0, r, d):
     """The query group transposed, head dim on partitions: the stationary operand."""
+    q = c.q
     qT = nl.ndarray((d, r), dtype=q.dtype, buffer=nl.sbuf)
-    if not tp_q:
+    if not c.tp_q:
         nisa.dma_copy(dst=qT, src=q[b, :, q0:q0 + r])
         return qT
     q_sb = nl.ndarray((r, d), dtype=q.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=q_sb, src=q[b, q0:q0 + r, :])
-    t_ps = nl.ndarray((d, r), dtype=q.dtype, buffer=nl.psum)
+    t_ps = _scratch(c, d, r, q.dtype)
     nisa.nc_transpose(dst=t_ps, data=q_sb)
     nisa.tensor_copy(dst=qT, src=t_ps)
     return qT
 
 
-def _load_kv(k, v, kb, s0, n, tp_k, d):
+def _load_kv(c, kb, s0, n, d):
     """Keys s0..s0+n of kv batch kb: K as (d, n) and V as (128, blocks, d), block j holding
     keys s0 + 128j onwards on partitions."""
     P = nl.tile_size.pmax
+    k, v, tp_k = c.k, c.v, c.tp_k
     k_sb = nl.ndarray((d, n), dtype=k.dtype, buffer=nl.sbuf)
     if not tp_k:     # in 512-key pieces, so the first scores need not wait for all of K
         for c in range(0, n, _BANK):
@@ -295,7 +313,7 @@ def _load_kv(k, v, kb, s0, n, tp_k, d):
         if tp_k:
             kt = nl.ndarray((kw, d), dtype=k.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=kt, src=k[kb, s0 + j * P:s0 + j * P + kw, :])
-            t_ps = nl.ndarray((d, kw), dtype=k.dtype, buffer=nl.psum)
+            t_ps = _scratch(c, d, kw, k.dtype)
             nisa.nc_transpose(dst=t_ps, data=kt)
             nisa.tensor_copy(dst=k_sb[:, j * P:j * P + kw], src=t_ps)
     return k_sb, v_sb
