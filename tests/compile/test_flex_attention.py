@@ -101,3 +101,19 @@ def test_block_sparsity_skips_work():
         flops[name] = torch_neuronx.modelled_time().flops
     ratio = flops["causal"] / flops["full"]
     assert 0.45 < ratio < 0.6, ratio
+
+
+def test_flex_attention_without_a_block_mask():
+    """flex_attention(q, k, v) builds its empty block mask inside the compiled graph (vmap)."""
+    torch.manual_seed(0)
+    qc, kc, vc = (torch.randn(B, H, S, D, requires_grad=True) for _ in range(3))
+    ref = flex_attention(qc, kc, vc, score_mod=lambda s, b, h, i, j: s * 0.5)
+    ref.sum().backward()
+    q, k, v = (t.detach().to(DEV).requires_grad_() for t in (qc, kc, vc))
+    fn = torch.compile(lambda q, k, v: flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s * 0.5),
+                       backend="neuron")
+    out = fn(q, k, v)
+    out.sum().backward()
+    torch.testing.assert_close(out.detach().cpu(), ref.detach(), atol=2e-5, rtol=2e-5)
+    for a, b in ((q, qc), (k, kc), (v, vc)):
+        torch.testing.assert_close(a.grad.cpu(), b.grad, atol=1e-4, rtol=1e-4)

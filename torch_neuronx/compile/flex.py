@@ -309,7 +309,9 @@ def rewrite(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
-    gm.graph.eliminate_dead_code()
+    # No dead-code pass here: it would drop the vmap nesting calls of a block mask built in
+    # the graph (flex_attention without block_mask) and strand their batched tensors;
+    # AOTAutograd drops what is dead itself.
     gm.recompile()
     return gm
 
