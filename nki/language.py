@@ -19,8 +19,9 @@ from .simulator import rules as _rules
 from .simulator import tensor as _tensor
 from .simulator import tensore as _tensore
 from .simulator.dtypes import (  # noqa: F401  (public dtypes)
-    DType, as_dtype, bfloat16, bool_, float4_e2m1fn, float8_e4m3, float8_e4m3fn, float8_e5m2,
-    float16, float32, int8, int16, int32, int64, tfloat32, uint8, uint16, uint32, uint64)
+    DType, as_dtype, bfloat16, bool_, float4_e2m1fn, float4_e2m1fn_x4, float8_e4m3, float8_e4m3fn,
+    float8_e4m3fn_x4, float8_e5m2, float8_e5m2_x4, float8_e8m0fnu, float16, float32, int8, int16,
+    int32, int64, tfloat32, uint8, uint16, uint32, uint64)
 from .simulator.indexing import _Arange, _DynSlice
 from .simulator.spaces import BUFFERS, Buffer
 from .simulator.tensor import NkiTensor
@@ -646,8 +647,7 @@ def _derivative(x, first, finish, dtype):
 
 
 _MISSING = {"atomic_rmw", "all_reduce", "loop_reduce", "gather_flattened", "static_assert",
-            "dropout_", "random", "invert_", "prelu", "float8_e8m0fnu", "float8_e5m2_x4",
-            "float8_e4m3fn_x4", "float4_e2m1fn_x4"}
+            "dropout_", "random", "invert_", "prelu"}
 
 
 def __getattr__(name):

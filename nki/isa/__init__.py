@@ -9,24 +9,32 @@ from __future__ import annotations
 
 from .. import errors as E
 from ..simulator import context as _ctx
-from ._dma import dma_copy, dma_transpose  # noqa: F401
+from ._dma import dma_compute, dma_copy, dma_transpose  # noqa: F401
 from ._gpsimd import (  # noqa: F401
     affine_select,
     dropout,
     iota,
     local_gather,
+    nc_n_gather,
+    nonzero_with_count,
+    rand2,
+    rand_get_state,
+    rand_set_state,
     range_select,
     rng,
     select_reduce,
+    sequence_bounds,
     set_rng_seed,
 )
 from ._registers import VirtualRegister, register_alloc, register_load, register_move, register_store  # noqa: F401
-from ._scalar_engine import activation, activation_reduce  # noqa: F401
+from ._scalar_engine import activate2, activation, activation_reduce  # noqa: F401
 from ._statistics import bn_aggr, bn_stats, max8, nc_find_index8, nc_match_replace8  # noqa: F401
-from ._tensor_engine import nc_matmul, nc_transpose  # noqa: F401
+from ._tensor_engine import nc_matmul, nc_matmul_mx, nc_transpose  # noqa: F401
 from ._vector_engine import (  # noqa: F401
     exponential,
     memset,
+    nc_stream_shuffle,
+    quantize_mx,
     reciprocal,
     scalar_tensor_tensor,
     tensor_copy,
@@ -34,6 +42,7 @@ from ._vector_engine import (  # noqa: F401
     tensor_partition_reduce,
     tensor_reduce,
     tensor_scalar,
+    tensor_scalar_cumulative,
     tensor_scalar_reduce,
     tensor_tensor,
     tensor_tensor_scan,
@@ -58,13 +67,20 @@ def get_nc_version():
     return nc_version[_ctx.current().profile.nki_target]
 
 
-_MISSING = {"nc_matmul_mx", "quantize_mx", "sequence_bounds", "nc_n_gather",
-            "dma_compute", "nc_stream_shuffle", "core_barrier", "sendrecv", "rand2",
-            "rand_set_state", "rand_get_state", "nonzero_with_count", "tensor_scalar_cumulative",
-            "activate2", "tensor_copy_dynamic_src", "tensor_copy_dynamic_dst"}
+# Multi-core instructions: LNC=2 programs run one after the other here, so a barrier or an
+# exchange between two of them cannot be simulated.
+_MISSING = {"core_barrier": "it synchronises the NeuronCores of an LNC=2 kernel, and this "
+                            "simulator runs a kernel's programs one after another",
+            "sendrecv": "it exchanges tiles between the NeuronCores of an LNC=2 kernel, and this "
+                        "simulator runs a kernel's programs one after another"}
+# Removed by AWS in NKI 0.4.0.
+_REMOVED = {"tensor_copy_dynamic_src", "tensor_copy_dynamic_dst"}
 
 
 def __getattr__(name):
     if name in _MISSING:
-        raise E.UnsupportedError(f"nki.isa.{name} is not implemented in this NKI simulator")
+        raise E.UnsupportedError(f"nki.isa.{name} is not implemented in this NKI simulator: {_MISSING[name]}")
+    if name in _REMOVED:
+        raise E.UnsupportedError(f"nki.isa.{name} was removed in NKI 0.4.0; use nisa.tensor_copy with "
+                                 f"an access pattern (.ap) instead")
     raise AttributeError(f"module 'nki.isa' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""DMA instructions: copies and transposes between HBM and on-chip memory."""
+"""DMA instructions: copies, transposes and summing copies between HBM and on-chip memory."""
 from __future__ import annotations
 
 import numpy as np
@@ -44,3 +44,29 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
     # Element-granular descriptors: a DMA transpose runs far below the queue's peak.
     _ctx.current().dma(I, dst, src, efficiency=0.25)
     _put(dst, np.transpose(src.v, ax)) if dst.dtype != src.dtype else dst.v.__setitem__(..., np.transpose(src.v, ax))
+
+
+def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode=oob_mode.error, name=None):
+    """dst = srcs[0] + srcs[1] + ... computed in float32 by the DMA engines (HBM or SBUF)."""
+    I = "dma_compute"
+    _T(dst, "dst", I)
+    srcs = list(srcs)
+    if not 1 <= len(srcs) <= 16:
+        _rules.fail(E.NkiRuleError, f"{I}: srcs holds 1 to 16 tensors, got {len(srcs)}")
+    for k, s in enumerate(srcs):
+        _T(s, f"srcs[{k}]", I)
+        if s.size != dst.size:
+            _rules.fail(E.ShapeMismatchError, f"{I}: srcs[{k}] {tuple(s.shape)} and dst {tuple(dst.shape)} hold "
+                        f"different numbers of elements")
+    if getattr(reduce_op, "name", None) != "add":
+        _rules.fail(E.NkiRuleError, f"{I}: reduce_op supports only nl.add, got {reduce_op!r}")
+    if scales is not None and (len(scales) != len(srcs) or any(float(x) != 1.0 for x in scales)):
+        _rules.fail(E.NkiRuleError, f"{I}: scales must be None or one 1.0 per source, got {list(scales)}")
+    # Charged as one transfer per source into dst: each source's bytes cross the queue once.
+    sim = _ctx.current()
+    for s in srcs:
+        sim.dma(I, dst, s)
+    acc = np.zeros(dst.shape, np.float32)
+    for s in srcs:                      # every source is read before dst (maybe one) is written
+        acc += (s.v if s.shape == dst.shape else s.v.reshape(dst.shape)).astype(np.float32)
+    _put(dst, acc)

@@ -1,5 +1,8 @@
-"""GpSimd instructions: index patterns, selects, gathers and random numbers."""
+"""GpSimd instructions: index patterns, selects, gathers, nonzero/segment scans and random
+numbers (with the VectorE ones: dropout, rand2)."""
 from __future__ import annotations
+
+import builtins
 
 import numpy as np
 
@@ -170,8 +173,15 @@ def rng(dst, engine=engine.unknown, name=None):
     """Random bits (integer dst) or uniform [0, 1) values (float dst)."""
     I = "rng"
     _T(dst, "dst", I)
-    _issue(I, _ENG.get(engine, "vector"), max(_mi(), dst.free_size), [], [dst])
-    g = _rng(_ctx.current())
+    eng = _ENG.get(engine, "vector")
+    _issue(I, eng, max(_mi(), dst.free_size), [], [dst])
+    sim = _ctx.current()
+    if eng in getattr(sim, "_xorwow_loaded", ()) and not dst.dtype.is_float:
+        # After rand_set_state the engine draws from its XORWOW states; a narrow dtype keeps
+        # the least significant bits of each 32-bit draw.
+        dst.v[...] = _draw(sim, eng, dst).astype(dst.dtype.storage).reshape(dst.shape)
+        return
+    g = _rng(sim)
     if dst.dtype.is_float:
         _put(dst, g.random(dst.shape, dtype=np.float32))
     else:
@@ -185,3 +195,204 @@ def set_rng_seed(src_seeds, name=None):
     src = src_seeds
     seed = int(np.asarray(src.v).reshape(-1)[0]) if isinstance(src, NkiTensor) else int(src)
     sim._rng = np.random.default_rng(seed)
+    # The VectorE XORWOW states (rand2) restart from the seed too.
+    _states(sim, "vector")[...] = _splitmix(seed & 0xFFFFFFFF, _LANES * 24).reshape(_LANES, 24)
+
+
+def _require(instr, sim, gen, what=""):
+    if int(sim.profile.nki_target[3:]) < gen:
+        _rules.fail(E.NkiRuleError, f"{instr}{what} needs NeuronCore-v{gen} or newer; the target is "
+                    f"{sim.target} ({sim.profile.nki_target})")
+
+
+def nc_n_gather(dst, data, indices, name=None):
+    """dst[p, j] = data[p, indices[p, j]] with data's free dims flattened, on GpSimd."""
+    I = "nc_n_gather"
+    _T(dst, "dst", I), _T(data, "data", I), _T(indices, "indices", I)
+    if indices.dtype.name != "uint32":
+        _rules.fail(E.DtypeLegalityError, f"{I}: indices must be uint32, got {indices.dtype.name}")
+    if dst.dtype != data.dtype:
+        _rules.fail(E.DtypeLegalityError, f"{I}: dst dtype {dst.dtype.name} must equal data dtype "
+                    f"{data.dtype.name}")
+    P = data.shape[0]
+    if indices.shape[0] != P or dst.shape[0] != P or dst.free_size != indices.free_size:
+        _rules.fail(E.ShapeMismatchError, f"{I}: data {tuple(data.shape)}, indices {tuple(indices.shape)} and dst "
+                    f"{tuple(dst.shape)} need one partition count, and dst one element per index")
+    n = data.free_size
+    idx = _flat(indices).astype(np.int64)
+    if idx.size and idx.max() >= n:
+        _rules.fail(E.IndexOutOfBoundsError, f"{I}: index {int(idx.max())} out of range [0, {n}) of data "
+                    f"{tuple(data.shape)}")
+    # AWS: one ISA instruction group per 512 data elements per partition; each is charged as
+    # a GpSimd pass over the indices (an estimate, like local_gather's).
+    _issue(I, "gpsimd", -(-n // 512) * (150 + dst.free_size), [data, indices], [dst])
+    dst.v[...] = np.take_along_axis(_flat(data), idx, axis=1).reshape(dst.shape)
+
+
+def sequence_bounds(dst, segment_ids, name=None):
+    """For each element of a (1, n) tile of segment ids, the [start, end) of its run of equal
+    ids: dst (1, 2, n) holds the starts then the ends; id 0 is padding (start n, end -1)."""
+    I = "sequence_bounds"
+    _T(dst, "dst", I), _T(segment_ids, "segment_ids", I)
+    for t, w in ((dst, "dst"), (segment_ids, "segment_ids")):
+        if t.dtype.name not in ("float32", "int32"):
+            _rules.fail(E.DtypeLegalityError, f"{I}: {w} must be float32 or int32, got {t.dtype.name}")
+    n = segment_ids.free_size
+    if segment_ids.shape[0] != 1 or dst.shape[0] != 1 or dst.free_size != 2 * n:
+        _rules.fail(E.ShapeMismatchError, f"{I}: segment_ids must be (1, n) and dst (1, 2, n); got "
+                    f"{tuple(segment_ids.shape)} and {tuple(dst.shape)}")
+    _issue(I, "gpsimd", 150 + 2 * n, [segment_ids], [dst])
+    s = _flat(segment_ids)[0]
+    i = np.arange(n)
+    first = np.r_[True, s[1:] != s[:-1]]
+    last = np.r_[s[1:] != s[:-1], True]
+    start = np.maximum.accumulate(np.where(first, i, 0))
+    end = np.minimum.accumulate(np.where(last, i + 1, n)[::-1])[::-1]
+    pad = s == 0
+    _put(dst, np.stack([np.where(pad, n, start), np.where(pad, -1, end)]))
+
+
+def nonzero_with_count(dst, src, index_offset=0, padding_val=-1, name=None):
+    """Per GpSimd core (partitions 0, 16, ..., 112 of the tiles only): the indices (+ offset)
+    of src's nonzero elements, then padding_val, then their count, on GpSimd (trn2+)."""
+    I = "nonzero_with_count"
+    _require(I, _ctx.current(), 3)
+    _T(dst, "dst", I), _T(src, "src", I)
+    if src.dtype.name not in ("float32", "int32"):
+        _rules.fail(E.DtypeLegalityError, f"{I}: src must be float32 or int32, got {src.dtype.name}")
+    if dst.dtype.name != "int32":
+        _rules.fail(E.DtypeLegalityError, f"{I}: dst must be int32, got {dst.dtype.name}")
+    if dst.shape[0] != src.shape[0] or dst.free_size != src.free_size + 1:
+        _rules.fail(E.ShapeMismatchError, f"{I}: dst {tuple(dst.shape)} must have src's {src.shape[0]} "
+                    f"partitions and {src.free_size + 1} elements per partition (src {tuple(src.shape)} + count)")
+    for v, w in ((index_offset, "index_offset"), (padding_val, "padding_val")):
+        if not isinstance(v, (int, np.integer)) or not -2**31 <= int(v) < 2**31:
+            _rules.fail(E.DtypeLegalityError, f"{I}: {w} must be an int32, got {v!r}")
+    _issue(I, "gpsimd", 150 + src.free_size, [src], [dst])
+    rows = np.arange(0, src.shape[0], 16)
+    nz = _flat(src)[rows] != 0
+    count = nz.sum(axis=1)
+    order = np.argsort(~nz, axis=1, kind="stable")   # nonzero positions first, in order
+    pos = np.arange(nz.shape[1])
+    vals = np.where(pos < count[:, None], order + int(index_offset), int(padding_val))
+    out = np.concatenate([vals, count[:, None]], axis=1).astype(np.int32)
+    dst.v[rows] = out.reshape((len(rows),) + tuple(dst.shape[1:]))
+
+
+# XORWOW PRNG (AWS trn3 arch guide): per compute lane, GpSimd keeps one state of 6 uint32
+# words and VectorE (NeuronCore-v4) four, used in turn for consecutive elements. A state is
+# read as (x0, x1, x2, x3, x4, counter), Marsaglia's xorwow.
+_STATE_WORDS = {"gpsimd": 6, "vector": 24}
+_LANES = 128
+
+
+def _splitmix(seed, n):
+    z = (np.uint64(seed) + np.arange(1, n + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return (z ^ (z >> np.uint64(31))).astype(np.uint32)
+
+
+def _states(sim, eng):
+    st = getattr(sim, "_xorwow", None)
+    if st is None:
+        st = sim._xorwow = {}
+    if eng not in st:
+        w = _STATE_WORDS[eng]
+        st[eng] = _splitmix({"gpsimd": 1, "vector": 2}[eng], _LANES * w).reshape(_LANES, w)
+    return st[eng]
+
+
+def _xorwow(s):
+    """One step of the states s[..., 0:6] (in place); their 32-bit outputs."""
+    t, x0 = s[..., 4].copy(), s[..., 0].copy()
+    s[..., 1:5] = s[..., 0:4].copy()
+    t ^= t >> 2
+    t ^= t << 1
+    t ^= x0 ^ (x0 << 4)
+    s[..., 0] = t
+    s[..., 5] += np.uint32(362437)
+    return t + s[..., 5]
+
+
+def _draw(sim, eng, t: NkiTensor) -> np.ndarray:
+    """(P, n) random uint32 for tile t's partitions (lanes), advancing their states."""
+    lanes = _states(sim, eng)[t.pstart:t.pstart + t.shape[0]]
+    k = _STATE_WORDS[eng] // 6
+    s = lanes.reshape(lanes.shape[0], k, 6)
+    n = t.free_size
+    out = np.empty((lanes.shape[0], -(-n // k) * k), np.uint32)
+    for r in range(0, n, k):            # s views the states: each step updates them
+        m = min(k, n - r)
+        out[:, r:r + m] = _xorwow(s[:, :m])
+    return out[:, :n]
+
+
+def _rand_engine(instr, sim, engine_):
+    eng = _ENG.get(engine_)
+    if eng not in ("gpsimd", "vector"):
+        _rules.fail(E.NkiRuleError, f"{instr}: engine must be nki.isa.engine.gpsimd or vector, got {engine_}")
+    _require(instr, sim, 4 if eng == "vector" else 3, f" on {eng}")
+    return eng
+
+
+def _check_state_tile(instr, t, eng, what):
+    if t.dtype.name != "uint32":
+        _rules.fail(E.DtypeLegalityError, f"{instr}: {what} must be uint32, got {t.dtype.name}")
+    if t.free_size != _STATE_WORDS[eng]:
+        _rules.fail(E.ShapeMismatchError, f"{instr}: {what} {tuple(t.shape)} must hold {_STATE_WORDS[eng]} "
+                    f"XORWOW state words per partition on {eng}")
+
+
+def rand_set_state(src_seeds, engine=engine.gpsimd, name=None):
+    """Load each lane's XORWOW state from the matching partition of src_seeds (uint32, SBUF)."""
+    I = "rand_set_state"
+    sim = _ctx.current()
+    eng = _rand_engine(I, sim, engine)
+    _T(src_seeds, "src_seeds", I)
+    if src_seeds.kind != "sbuf":
+        _rules.fail(E.MemoryLegalityError, f"{I}: src_seeds must be in SBUF, {src_seeds.name!r} is in "
+                    f"{src_seeds.kind.upper()}")
+    _check_state_tile(I, src_seeds, eng, "src_seeds")
+    _issue(I, eng, max(_mi(), src_seeds.free_size), [src_seeds], [])
+    p0 = src_seeds.pstart
+    _states(sim, eng)[p0:p0 + src_seeds.shape[0]] = _flat(src_seeds).astype(np.uint32)
+    sim._xorwow_loaded = getattr(sim, "_xorwow_loaded", set()) | {eng}
+
+
+def rand_get_state(dst, engine=engine.gpsimd, name=None):
+    """Store each lane's XORWOW state into the matching partition of dst (uint32)."""
+    I = "rand_get_state"
+    sim = _ctx.current()
+    eng = _rand_engine(I, sim, engine)
+    _T(dst, "dst", I)
+    _check_state_tile(I, dst, eng, "dst")
+    _issue(I, eng, max(_mi(), dst.free_size), [], [dst])
+    p0 = dst.pstart
+    dst.v[...] = _states(sim, eng)[p0:p0 + dst.shape[0]].reshape(dst.shape)
+
+
+_RAND2_DTYPES = {"float8_e4m3", "float8_e5m2", "float16", "bfloat16", "float32", "tfloat32", "int8",
+                 "int16", "int32", "uint8", "uint16", "uint32"}
+
+
+def rand2(dst, min, max, name=None):  # noqa: A002  (AWS's parameter names)
+    """Uniform random values in [min, max) from VectorE's XORWOW states (trn3 only); min and
+    max are scalars or (P, 1) float32 vectors. A 32-bit draw's top 24 bits make the fraction."""
+    I = "rand2"
+    sim = _ctx.current()
+    _require(I, sim, 4)
+    _T(dst, "dst", I)
+    if dst.dtype.name not in _RAND2_DTYPES:
+        _rules.fail(E.DtypeLegalityError, f"{I}: dst dtype {dst.dtype.name} is not supported")
+    for x, w in ((min, "min"), (max, "max")):
+        if isinstance(x, NkiTensor) and x.dtype.name != "float32":
+            _rules.fail(E.DtypeLegalityError, f"{I}: {w} must be float32, got {x.dtype.name}")
+    lo, hi = _operand(min, dst, I, "min"), _operand(max, dst, I, "max")
+    reads = [t for t in (min, max) if isinstance(t, NkiTensor)]
+    if not reads and not lo < hi:
+        _rules.fail(E.NkiRuleError, f"{I}: min ({float(lo)}) must be less than max ({float(hi)})")
+    # The four states per lane make 4 values a cycle; streaming dst (1 a cycle) bounds it.
+    _issue(I, "vector", builtins.max(_mi(), dst.free_size), reads, [dst])
+    u = (_draw(sim, "vector", dst) >> np.uint32(8)).astype(np.float32) * np.float32(2.0 ** -24)
+    _put(dst, lo + u * (hi - lo))

@@ -7,6 +7,7 @@ from .. import errors as E
 from ..simulator import context as _ctx
 from ..simulator import rules as _rules
 from ..simulator import tensore as _tensore
+from . import _mx
 from ._common import _ENG, _FP_MM, _T, _close_groups, _f32, _flat, _issue, _mi, _put
 from .constants import engine, matmul_perf_mode
 
@@ -63,27 +64,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     elif perf_mode == matmul_perf_mode.double_row:
         cycles = cycles / 2
     sim.compute(I, "tensor", cycles, [stationary, moving], [dst])
-    # Accumulation groups: the first matmul into a PSUM region overwrites it, later ones add.
-    acc = False
-    groups = dst.buf.groups
-    if groups is not None:
-        b = dst.box()[1]
-        open_ = b in groups
-        if accumulate is None:
-            acc = open_
-        elif accumulate:
-            if not open_ and sim.profile.nki_target != "gen2":
-                _rules.fail(E.PsumAccumulateError,
-                            f"{I}: accumulate=True onto PSUM {dst.name!r} that no matmul of an open "
-                            f"accumulation group wrote; the first matmul into a PSUM location must "
-                            f"use accumulate=False (accumulating onto PSUM initialised by another "
-                            f"instruction is undefined on NeuronCore-v3+)")
-            acc = True
-        if not open_:
-            _close_groups(dst)
-            groups.append(b)
-    elif accumulate:
-        acc = True
+    acc = _accumulates(sim, I, dst, accumulate)
     a = stationary.v if stationary.v.ndim == 2 else _flat(stationary)
     m = moving.v if moving.v.ndim == 2 else _flat(moving)
     out = dst.v
@@ -104,6 +85,97 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     # Outside a kernel run (interactive use) nothing would drain the queue: run inline.
     _tensore.pool().submit(key, K * M * N if sim.in_run else 0, work,
                            (stationary.buf.data, moving.buf.data, dst.buf.data))
+
+
+def _accumulates(sim, I, dst, accumulate) -> bool:
+    """Accumulation groups: the first matmul into a PSUM region overwrites it, later ones add."""
+    groups = dst.buf.groups
+    if groups is None:
+        return bool(accumulate)
+    b = dst.box()[1]
+    open_ = b in groups
+    acc = open_
+    if accumulate is not None:
+        acc = bool(accumulate)
+        if acc and not open_ and sim.profile.nki_target != "gen2":
+            _rules.fail(E.PsumAccumulateError,
+                        f"{I}: accumulate=True onto PSUM {dst.name!r} that no matmul of an open "
+                        f"accumulation group wrote; the first matmul into a PSUM location must "
+                        f"use accumulate=False (accumulating onto PSUM initialised by another "
+                        f"instruction is undefined on NeuronCore-v3+)")
+    if not open_:
+        _close_groups(dst)
+        groups.append(b)
+    return acc
+
+
+def _mx_tiling(I, K, tile_position, tile_size):
+    """Row tiling only: (row_size, 128) tiles of 32/64/128 PE rows, at a multiple of row_size."""
+    if not tile_position and not tile_size:
+        return
+    if not tile_position or not tile_size:
+        _rules.fail(E.MatmulTileError, f"{I}: tile_position and tile_size must both be set (or neither), "
+                    f"got {tile_position} and {tile_size}")
+    (r0, c0), (rs, cs) = (int(x) for x in tile_position), (int(x) for x in tile_size)
+    if cs != 128 or c0 != 0:
+        _rules.fail(E.MatmulTileError, f"{I}: only row tiling is supported: column_size must be 128 and "
+                    f"start_column 0, got tile_size {tuple(tile_size)}, tile_position {tuple(tile_position)}")
+    if rs not in (32, 64, 128) or r0 % rs or not 0 <= r0 < 128:
+        _rules.fail(E.MatmulTileError, f"{I}: row tile {rs} at row {r0}: row_size must be 32, 64 or 128 "
+                    f"and start_row a multiple of it below 128")
+    if K > rs:
+        _rules.fail(E.MatmulTileError, f"{I}: stationary spans {K} partitions, more than the {rs}-row tile")
+
+
+def nc_matmul_mx(dst, stationary, moving, stationary_scale, moving_scale, tile_position=None,
+                 tile_size=None, accumulate=None, name=None):
+    """dst = deq(stationary).T @ deq(moving) for MXFP8/MXFP4 x4 tiles on TensorE (trn3).
+
+    The contraction runs over the partitions and the 4 values of each x4 word; deq multiplies
+    each group of 8 partitions x 4 values by its E8M0 scale (see nki.isa._mx for the scale
+    layout). Products accumulate in fp32; dst (PSUM) is float32 or bfloat16."""
+    I = "nc_matmul_mx"
+    sim = _ctx.current()
+    _mx.require_gen4(I, sim)
+    for t, w in ((dst, "dst"), (stationary, "stationary"), (moving, "moving"),
+                 (stationary_scale, "stationary_scale"), (moving_scale, "moving_scale")):
+        _T(t, w, I)
+    _check_mx_matmul(I, dst, stationary, moving)
+    _mx.check_scale(I, stationary_scale, stationary, "stationary_scale")
+    _mx.check_scale(I, moving_scale, moving, "moving_scale")
+    K, M, N = stationary.shape[0], stationary.free_size, moving.free_size
+    _mx_tiling(I, K, tile_position, tile_size)
+    # Each PE multiplies 4 value pairs a cycle: a bf16 matmul's cycles for 4x the contraction.
+    reads = [stationary, moving, _mx.scale_span(stationary_scale, K), _mx.scale_span(moving_scale, K)]
+    sim.compute(I, "tensor", max(min(64, M), N), reads, [dst])
+    acc = _accumulates(sim, I, dst, accumulate)
+    r = _mx.dequantize(stationary, stationary_scale).T @ _mx.dequantize(moving, moving_scale)
+    _put(dst, r + _f32(dst) if acc else r)
+
+
+def _check_mx_matmul(I, dst, stationary, moving):
+    K, M, N = stationary.shape[0], stationary.free_size, moving.free_size
+    for t, w in ((stationary, "stationary"), (moving, "moving")):
+        if t.dtype.name not in _mx.DATA:
+            _rules.fail(E.DtypeLegalityError, f"{I}: {w} dtype must be float8_e5m2_x4, float8_e4m3fn_x4 "
+                        f"or float4_e2m1fn_x4, got {t.dtype.name}")
+    if dst.dtype.name not in ("float32", "bfloat16"):
+        _rules.fail(E.DtypeLegalityError, f"{I}: dst dtype must be float32 or bfloat16, got {dst.dtype.name}")
+    if moving.shape[0] != K:
+        _rules.fail(E.MatmulTileError, f"{I}: stationary {tuple(stationary.shape)} and moving "
+                    f"{tuple(moving.shape)} must share the contraction (partition) size")
+    # AWS's docs allow any multiple of 32; NKI-lib pads 96 to 128 because the PE array
+    # takes 32, 64 or 128 rows for MX.
+    if K not in (32, 64, 128):
+        _rules.fail(E.MatmulTileError, f"{I}: contraction (partition) size {K} must be 32, 64 or 128")
+    if M % 2 or M > 128:
+        _rules.fail(E.MatmulTileError, f"{I}: stationary free size {M} must be even and at most 128")
+    nmax = 4096 if dst.dtype.name == "float32" else 8192      # all 8 PSUM banks
+    if N > nmax:
+        _rules.fail(E.MatmulTileError, f"{I}: moving free size {N} > {nmax} for a {dst.dtype.name} dst")
+    if dst.shape[0] != M or dst.free_size != N:
+        _rules.fail(E.ShapeMismatchError, f"{I}: dst {tuple(dst.shape)} must be ({M}, {N}) for "
+                    f"stationary {tuple(stationary.shape)} and moving {tuple(moving.shape)}")
 
 
 def nc_transpose(dst, data, engine=engine.unknown, name=None):

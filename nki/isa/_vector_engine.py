@@ -1,4 +1,4 @@
-"""VectorE instructions: elementwise, scalar, scan, reduce, copy, memset."""
+"""VectorE instructions: elementwise, scalar, scan, reduce, copy, memset, shuffle, MX quantize."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +8,9 @@ from .. import errors as E
 from ..simulator import context as _ctx
 from ..simulator import rules as _rules
 from ..simulator.tensor import NkiTensor
-from ._common import _ENG, _PREDICATE, _T, _axes, _f32, _flat, _issue, _mi, _op, _operand, _put
+from . import _mx
+from ._common import (_ENG, _PREDICATE, _T, _axes, _f32, _flat, _issue, _mi, _op, _operand, _put,
+                      _reduce_regs)
 from .constants import engine, reduce_cmd
 
 
@@ -252,3 +254,141 @@ def exponential(dst, src, max_value=0.0, reduce_res=None, reduce_cmd=reduce_cmd.
     _put(dst, y)
     if reduce_res is not None:
         _put(reduce_res, y.sum(axis=1, keepdims=True) + np.float32(reduce_init))
+
+
+# op1 of tensor_scalar_cumulative: the operator and the register value reset_reduce loads.
+_CUMULATIVE = {"add": (np.add, 0.0), "subtract": (np.subtract, 0.0), "multiply": (np.multiply, 1.0),
+               "maximum": (np.maximum, -np.inf), "max": (np.maximum, -np.inf),
+               "minimum": (np.minimum, np.inf), "min": (np.minimum, np.inf)}
+_CUMULATIVE_DTYPES = {"bfloat16", "float16", "float32", "float8_e4m3", "float8_e4m3fn", "float8_e5m2",
+                      "uint8", "uint16", "int8", "int16"}
+
+
+def tensor_scalar_cumulative(dst, src, op0, op1, imm0, imm1=None, reduce_cmd=reduce_cmd.reset_reduce,
+                             name=None):
+    """Per partition: reg = op1(op0(src[i], imm0), reg); dst[i] = reg, on VectorE. The
+    register starts at op1's identity (reset_reduce), at imm1 (load_reduce) or where the last
+    VectorE accumulation left it (reduce), and keeps the final value."""
+    I = "tensor_scalar_cumulative"
+    _T(dst, "dst", I), _T(src, "src", I)
+    _rules.same_elems(I, dst, src)
+    f0, f1 = _op(op0, I, ("arith",)), _op(op1, I, ("arith",))
+    if f1.name not in _CUMULATIVE:
+        _rules.fail(E.NkiRuleError, f"{I}: op1 must be add, subtract, multiply, maximum or minimum, got {f1.name}")
+    for t, w in ((dst, "dst"), (src, "src")):
+        if t.dtype.name not in _CUMULATIVE_DTYPES:
+            _rules.fail(E.DtypeLegalityError, f"{I}: {w} dtype {t.dtype.name} is not supported (bf16, fp16, "
+                        f"fp32, fp8, uint8, uint16, int8, int16; no 32-bit integers)")
+    for x, w in ((imm0, "imm0"), (imm1, "imm1")):
+        if isinstance(x, NkiTensor) and x.dtype.name != "float32":
+            _rules.fail(E.DtypeLegalityError, f"{I}: {w} must be float32, got {x.dtype.name}")
+    cmd = type(reduce_cmd)
+    if reduce_cmd not in (cmd.reset_reduce, cmd.reduce, cmd.load_reduce):
+        _rules.fail(E.NkiRuleError, f"{I}: reduce_cmd must be reset_reduce, reduce or load_reduce, "
+                    f"got {reduce_cmd}")
+    if reduce_cmd == cmd.load_reduce and imm1 is None:
+        _rules.fail(E.NkiRuleError, f"{I}: reduce_cmd=load_reduce loads the register from imm1, which is None")
+    i0, i1 = _operand(imm0, src, I, "imm0"), _operand(imm1, src, I, "imm1")
+    reads = [src] + [t for t in (imm0, imm1) if isinstance(t, NkiTensor)]
+    _issue(I, "vector", max(_mi(), src.free_size), reads, [dst])
+    sim = _ctx.current()
+    fn, identity = _CUMULATIVE[f1.name]
+    P = src.shape[0]
+    if reduce_cmd == cmd.load_reduce:
+        reg = np.broadcast_to(np.asarray(i1, np.float32).reshape(-1, 1), (P, 1))
+    elif reduce_cmd == cmd.reduce:
+        reg = _reduce_regs(sim, "vector_regs", P, reduce_cmd, None)
+    else:
+        reg = np.full((P, 1), identity, np.float32)
+    x = _ts(_f32(src), f0, i0, False)
+    with np.errstate(all="ignore"):
+        if fn is np.subtract:           # reg = x - reg: not associative, so step by step
+            out = np.empty_like(x)
+            r = reg[:, 0].astype(np.float32)
+            for i in range(x.shape[1]):
+                r = x[:, i] - r
+                out[:, i] = r
+        else:                           # op1(x, reg) == op1(reg, x): a running reduction
+            out = fn.accumulate(np.concatenate([reg.astype(np.float32), x], axis=1), axis=1)[:, 1:]
+    sim.vector_regs = out[:, -1:].copy()
+    _put(dst, out)
+
+
+def nc_stream_shuffle(dst, src, shuffle_mask, name=None):
+    """Within every 32-partition quadrant, dst partition i = src partition shuffle_mask[i]
+    (255: leave dst partition i as is), on VectorE; in place allowed."""
+    I = "nc_stream_shuffle"
+    _T(dst, "dst", I), _T(src, "src", I)
+    if dst.dtype != src.dtype:
+        _rules.fail(E.DtypeLegalityError, f"{I}: dst dtype {dst.dtype.name} must equal src dtype {src.dtype.name}")
+    if dst.free_size != src.free_size:
+        _rules.fail(E.ShapeMismatchError, f"{I}: dst {tuple(dst.shape)} and src {tuple(src.shape)} must have "
+                    f"the same number of elements per partition")
+    mask = [int(m) for m in shuffle_mask]
+    if len(mask) != 32 or any(not (0 <= m < 32 or m == 255) for m in mask):
+        _rules.fail(E.NkiRuleError, f"{I}: shuffle_mask must be 32 source partitions in [0, 32) or 255, "
+                    f"got {mask}")
+    sp, dp = src.shape[0], dst.shape[0]
+    active = -(-max(sp, dp) // 32) * 32
+    starts = {32: (0, 32, 64, 96), 64: (0, 64)}.get(active, (0,))
+    for t, w in ((src, "src"), (dst, "dst")):
+        if t.pstart not in starts:
+            _rules.fail(E.PartitionAlignmentError, f"{I}: {w} starts at partition {t.pstart}; with {active} "
+                        f"active partitions it must start at {'/'.join(map(str, starts))}")
+    m = np.array(mask)
+    keep = np.flatnonzero(m != 255)
+    d_rows = (np.arange(0, active, 32)[:, None] + keep[None, :]).reshape(-1)
+    s_rows = (np.arange(0, active, 32)[:, None] + m[keep][None, :]).reshape(-1)
+    sel = d_rows < dp
+    d_rows, s_rows = d_rows[sel], s_rows[sel]
+    if s_rows.size and s_rows.max() >= sp:
+        _rules.fail(E.IndexOutOfBoundsError, f"{I}: shuffle_mask reads src partition {int(s_rows.max())}, but "
+                    f"src {tuple(src.shape)} has {sp}")
+    _issue(I, "vector", max(_mi(), src.free_size), [src], [dst])
+    s = _flat(src)[s_rows].copy()
+    out = _flat(dst).copy()
+    out[d_rows] = s
+    dst.v[...] = out.reshape(dst.shape)
+
+
+def quantize_mx(dst, src, dst_scale, name=None):
+    """MXFP8 data and E8M0 scales from an fp16/bf16 tile on VectorE (trn3 only).
+
+    Per group of 32 values (8 partitions x 4 consecutive elements, which become one x4 word
+    of dst): X = 2**(floor(log2(max |v|)) - (Emax - 1)), Emax 8 (e4m3fn) or 15 (e5m2) --
+    twice the OCP reference scale, so rounding the largest value never saturates; an all-zero
+    group gets 2**-127. dst = v / X rounded to nearest even."""
+    I = "quantize_mx"
+    sim = _ctx.current()
+    _mx.require_gen4(I, sim)
+    _T(dst, "dst", I), _T(src, "src", I), _T(dst_scale, "dst_scale", I)
+    if src.dtype.name not in ("float16", "bfloat16"):
+        _rules.fail(E.DtypeLegalityError, f"{I}: src dtype must be float16 or bfloat16, got {src.dtype.name}")
+    if dst.dtype.name not in ("float8_e5m2_x4", "float8_e4m3fn_x4"):
+        _rules.fail(E.DtypeLegalityError, f"{I}: dst dtype must be float8_e5m2_x4 or float8_e4m3fn_x4, got "
+                    f"{dst.dtype.name}")
+    for t, w in ((dst, "dst"), (src, "src")):
+        if t.kind != "sbuf":
+            _rules.fail(E.MemoryLegalityError, f"{I}: {w} must be in SBUF, {t.name!r} is in {t.kind.upper()}")
+    P, F4 = src.shape[0], src.free_size
+    if P % 32:
+        _rules.fail(E.ShapeMismatchError, f"{I}: src spans {P} partitions; it must be a multiple of 32")
+    if F4 % 4 or dst.shape[0] != P or dst.free_size * 4 != F4:
+        _rules.fail(E.ShapeMismatchError, f"{I}: src {tuple(src.shape)} needs a multiple of 4 elements per "
+                    f"partition and dst of {P} partitions x a quarter of them, got dst {tuple(dst.shape)}")
+    _mx.check_scale(I, dst_scale, dst, "dst_scale", source=src)
+    # Four input elements per partition per cycle (AWS trn3 arch guide, 4x mode).
+    _issue(I, "vector", max(_mi(), -(-F4 // 4)), [src], [dst, _mx.scale_span(dst_scale, P)])
+    F = F4 // 4
+    x = _f32(src).reshape(P // 8, 8, F, 4)
+    amax = np.abs(x).max(axis=(1, 3))
+    bad = ~np.isfinite(amax)
+    emax = 8 if dst.dtype.name == "float8_e4m3fn_x4" else 15
+    e = np.frexp(np.where(bad, 1, amax))[1]            # amax = m * 2**e, 0.5 <= m < 1
+    exps = np.where(amax == 0, -127, np.clip(e - emax, -127, 127)).astype(np.int32)
+    exps[bad] = 0
+    with np.errstate(all="ignore"):
+        q = np.ldexp(x, -exps[:, None, :, None])
+    q[np.broadcast_to(bad[:, None, :, None], q.shape)] = np.nan
+    dst.v[...] = _mx.pack(q.reshape(P, F, 4), dst.dtype).reshape(dst.shape)
+    _mx.write_scales(dst_scale, P, exps, bad)

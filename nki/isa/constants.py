@@ -23,6 +23,7 @@ class reduce_cmd(enum.Enum):
     reset = 1
     reduce = 2
     reset_reduce = 3
+    load_reduce = 4
 
 
 class dge_mode(enum.Enum):

@@ -13,13 +13,16 @@ import numpy as np
 class DType:
     """One NKI dtype: a name, a size, how values are stored and how they round."""
 
-    __slots__ = ("name", "itemsize", "storage", "real", "is_float", "is_int", "_round")
+    __slots__ = ("name", "itemsize", "storage", "real", "is_float", "is_int", "_round", "packed")
 
-    def __init__(self, name, itemsize, storage, real, is_float, rounder=None):
+    def __init__(self, name, itemsize, storage, real, is_float, rounder=None, packed=None):
         self.name, self.itemsize = name, itemsize
         self.storage, self.real = np.dtype(storage), real
-        self.is_float, self.is_int = is_float, not is_float and name != "bool"
+        self.is_float, self.is_int = is_float, not is_float and name != "bool" and packed is None
         self._round = rounder
+        # x4 types: the element dtype four of which one word holds. Their tiles store the raw
+        # bits (uint32/uint16), so integer data moves in and out bit for bit.
+        self.packed = packed
 
     def round(self, values: np.ndarray) -> np.ndarray:
         """Values (any numeric array) as this dtype stores them."""
@@ -93,6 +96,13 @@ float8_e4m3fn = DType("float8_e4m3fn", 1, _F, ml_dtypes.float8_e4m3fn, True,
 float8_e5m2 = DType("float8_e5m2", 1, _F, ml_dtypes.float8_e5m2, True, _ml_round(ml_dtypes.float8_e5m2))
 float4_e2m1fn = DType("float4_e2m1fn", 1, _F, ml_dtypes.float4_e2m1fn, True,
                       _ml_round(ml_dtypes.float4_e2m1fn))
+float8_e8m0fnu = DType("float8_e8m0fnu", 1, _F, ml_dtypes.float8_e8m0fnu, True,
+                       _ml_round(ml_dtypes.float8_e8m0fnu))
+# MX data (nki.isa.nc_matmul_mx, quantize_mx): four fp8 values in 32 bits or four fp4 values
+# in 16 bits, element k of a word in byte k (fp8) or nibble k (fp4), little-endian.
+float8_e5m2_x4 = DType("float8_e5m2_x4", 4, np.uint32, np.uint32, False, packed=float8_e5m2)
+float8_e4m3fn_x4 = DType("float8_e4m3fn_x4", 4, np.uint32, np.uint32, False, packed=float8_e4m3fn)
+float4_e2m1fn_x4 = DType("float4_e2m1fn_x4", 2, np.uint16, np.uint16, False, packed=float4_e2m1fn)
 int8 = DType("int8", 1, np.int8, np.int8, False)
 int16 = DType("int16", 2, np.int16, np.int16, False)
 int32 = DType("int32", 4, np.int32, np.int32, False)
@@ -104,7 +114,8 @@ uint64 = DType("uint64", 8, np.uint64, np.uint64, False)
 bool_ = DType("bool", 1, np.bool_, np.bool_, False)
 
 ALL = [float32, tfloat32, bfloat16, float16, float8_e4m3, float8_e4m3fn, float8_e5m2,
-       float4_e2m1fn, int8, int16, int32, int64, uint8, uint16, uint32, uint64, bool_]
+       float4_e2m1fn, float8_e8m0fnu, float8_e5m2_x4, float8_e4m3fn_x4, float4_e2m1fn_x4,
+       int8, int16, int32, int64, uint8, uint16, uint32, uint64, bool_]
 _BY_NAME = {d.name: d for d in ALL}
 _BY_NAME.update({"bool_": bool_, "float64": float32, "fp32": float32, "bf16": bfloat16,
                  "float8_e4m3fn": float8_e4m3fn, "float8e4": float8_e4m3, "float8e5": float8_e5m2})
