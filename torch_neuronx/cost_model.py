@@ -28,7 +28,7 @@ import torch
 from . import _C, _state
 
 _TENSORE = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "dot", "vdot", "mv", "addmv", "_scaled_mm",
-            "_int_mm", "convolution", "convolution_backward",
+            "_int_mm", "_grouped_mm", "convolution", "convolution_backward",
             "_scaled_dot_product_flash_attention_for_cpu",
             "_scaled_dot_product_flash_attention_for_cpu_backward"}
 _SCALAR_ENGINE = {"exp", "exp_", "log", "log_", "tanh", "tanh_", "sigmoid", "sigmoid_", "gelu",
@@ -95,6 +95,18 @@ def _matmul_dims(name: str, shapes: list):
         return 1, a[0], a[1], 1
     if name in ("dot", "vdot") and len(a) == 1:
         return 1, 1, a[0], 1
+    if name == "_grouped_mm":
+        # 2-D x 3-D (rows grouped), 2-D x 2-D (K grouped), 3-D x 3-D (batched), 3-D x 2-D
+        # (N grouped): every form multiplies each row of A once, by one group's columns.
+        if len(a) == 2 and len(b) == 3:
+            return 1, a[0], a[1], b[2]
+        if len(a) == 2 and len(b) == 2:
+            return 1, a[0], a[1], b[1]
+        if len(a) == 3 and len(b) == 3:
+            return a[0], a[1], a[2], b[2]
+        if len(a) == 3 and len(b) == 2:
+            return 1, a[1], a[2], b[1]
+        return None
     if name.startswith("_scaled_dot_product_flash_attention") and len(a) == 4 and len(b) == 4:
         bsz, heads, lq, d = a
         lk = b[2]

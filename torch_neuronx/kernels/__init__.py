@@ -4,4 +4,5 @@ Off the CPU, PyTorch takes CUDA's paths: fused RNN cells, SyncBatchNorm's pieces
 attention entries, dropout on the device generator, ops with CUDA-only dtypes. Each module
 holds one such path; ``cuda_only`` lists every CUDA-only ATen op and what neuron does with it.
 """
-from . import attention, cuda_only, dropout, dtypes, nkilib_routes, quantized, rms_norm, rnn, sync_batchnorm  # noqa: F401
+from . import (attention, cuda_only, dropout, dtypes, grouped_mm, nkilib_routes, quantized,  # noqa: F401
+               rms_norm, rnn, sync_batchnorm)

@@ -113,6 +113,16 @@ cost_model.KERNEL_COSTS[FWD] = _fwd_seconds
 cost_model.KERNEL_COSTS[BWD] = _bwd_seconds
 
 
+def grouped_mm_seconds(a_shape, b_shape, dtype, offs):
+    """(modelled seconds, flops) of one ``torch._grouped_mm`` kernel launch."""
+    from .. import _state
+    cfg = _state.config()
+    nbytes = dtype.itemsize * (math.prod(a_shape) + math.prod(b_shape))
+    seconds, _, flops = cost_model.op_seconds(cfg.profile, cfg.lnc, "_grouped_mm",
+                                              [a_shape, b_shape], dtype, nbytes, 0)
+    return seconds, flops
+
+
 def flex_seconds(kind, B, H, sq, skv, d, dtype, fraction):
     """(modelled seconds, flops) of a FlexAttention call (``kind`` "fwd" or "bwd") as
     NKI-lib's kernel skipping the key blocks the block mask leaves out: the full kernel's

@@ -1,0 +1,40 @@
+"""``torch._grouped_mm`` on neuron: one grouped-GEMM kernel, as on CUDA.
+
+PyTorch's device-generic implementation (CompositeExplicitAutograd, what a PrivateUse1
+device gets by default) reads ``offs`` to the host and issues one ``mm`` per group, so on
+neuron a MoE layer paid a device synchronisation and a launch per expert, and the cost
+model saw G small matmuls. Here the call runs CPU's kernel once on the device tensors' host
+memory (results bit-identical to CPU) and is charged as one kernel: NKI-lib's grouped
+matmul at the call's shape (``torch_neuronx.kernels.nkilib_routes.grouped_mm_seconds``).
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import _C, cost_model
+
+_lib = torch.library.Library("aten", "IMPL")
+
+
+def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    from . import nkilib_routes
+    dev = mat_a.device
+    for name, t in (("mat2", mat_b), ("offs", offs), ("bias", bias)):
+        if t is not None and t.device != dev:
+            raise RuntimeError(f"aten::_grouped_mm: expected all tensors on {dev}, but {name} is "
+                               f"on {t.device}")
+    # A broadcast operand (autograd's gradient of a sum) has zero strides, which the kernel's
+    # operand checks refuse: give it memory of its own first.
+    mat_a, mat_b = (t.contiguous() if 0 in t.stride() else t for t in (mat_a, mat_b))
+    # CPU's kernel reads the group offsets on the host, as PyTorch's generic one does.
+    torch.neuron.synchronize(dev)
+    host = [_C._cpu_alias(t) if t is not None else None for t in (mat_a, mat_b, offs, bias)]
+    out = torch._grouped_mm(*host[:2], host[2], host[3], out_dtype)
+    seconds, flops = nkilib_routes.grouped_mm_seconds(tuple(mat_a.shape), tuple(mat_b.shape),
+                                                      mat_a.dtype, offs)
+    cost_model._add_time(dev, "_grouped_mm", seconds, engine="tensor", flops=flops,
+                         hbm_bytes=mat_a.nbytes + mat_b.nbytes + out.nbytes)
+    return _C._adopt_tensor(out, dev.index if dev.index is not None else torch.neuron.current_device())
+
+
+_lib.impl("_grouped_mm", _grouped_mm, "PrivateUse1")
