@@ -30,8 +30,8 @@ def test_sdpa_time_is_the_kernels():
     k = torch.randn(2, 3, 256, 64, device="neuron")
     _, full, _ = _attention_time(F.scaled_dot_product_attention, q, k, k)
     _, causal, _ = _attention_time(lambda a, b: F.scaled_dot_product_attention(a, b, b, is_causal=True), q, k)
-    head_full = routes.head_latency_ns(p.name, "fwd", 256, 256, 64, "float32", False)
-    head_causal = routes.head_latency_ns(p.name, "fwd", 256, 256, 64, "float32", True)
+    head_full = routes.head_latency_ns(p.name, "fwd", 256, 256, 64, "float32", False, 6)
+    head_causal = routes.head_latency_ns(p.name, "fwd", 256, 256, 64, "float32", True, 6)
     launch = p.launch_overhead_ns * 1e-9
     assert full == pytest.approx(launch + head_full * 1e-9 * 6 / lnc, rel=1e-9)
     assert causal == pytest.approx(launch + head_causal * 1e-9 * 6 / lnc, rel=1e-9)
@@ -45,7 +45,7 @@ def test_sdpa_backward_time_is_the_kernels():
     def step(x):
         F.scaled_dot_product_attention(x, x, x, is_causal=True).sum().backward()
     _, _, bwd = _attention_time(step, q)
-    head = routes.head_latency_ns(cfg.profile.name, "bwd", 256, 256, 32, "float32", True)
+    head = routes.head_latency_ns(cfg.profile.name, "bwd", 256, 256, 32, "float32", True, 2)
     assert bwd == pytest.approx(cfg.profile.launch_overhead_ns * 1e-9 + head * 1e-9 * 2 / cfg.lnc,
                                 rel=1e-9)
 
@@ -140,3 +140,14 @@ def test_flex_attention_with_a_score_mod_keeps_the_op_costs():
     t = _flex_time(f, q)
     assert "flex_attention" not in t.by_op
     assert t.seconds > 0
+
+
+def test_heads_of_a_call_pipeline_together():
+    """A launch over many heads of a short sequence hides one head's waits behind the others'."""
+    one = routes.head_latency_ns("trn2", "fwd", 64, 64, 32, "bfloat16", True, 1)
+    many = routes.head_latency_ns("trn2", "fwd", 64, 64, 32, "bfloat16", True, 64)
+    assert routes.sim_heads(64, 64, 64) == 16
+    assert many < 0.5 * one
+    one_b = routes.head_latency_ns("trn2", "bwd", 128, 128, 32, "bfloat16", True, 1)
+    many_b = routes.head_latency_ns("trn2", "bwd", 128, 128, 32, "bfloat16", True, 16)
+    assert many_b < 0.5 * one_b

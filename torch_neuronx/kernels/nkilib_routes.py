@@ -4,9 +4,11 @@
 (``_scaled_dot_product_flash_attention_for_cpu`` and its backward), eagerly and from
 compiled graphs, where the host runs it at CPU speed with CPU's numerics. Its modelled time
 is that of NKI-lib's FlashAttention kernels (``nkilib.core.attention.attention_cte`` and
-``attention_bwd``) at the call's shape: one query head is simulated on the target chip
-once per (chip, shape, dtype, causal) and cached; a call costs that head's latency times
-its heads, spread over the logical core's physical cores as ``kernel[lnc]`` spreads them.
+``attention_bwd``) at the call's shape: one launch over up to 16 of the call's query heads
+(pipelined together, as the kernel runs them) is simulated on the target chip once per
+(chip, shape, dtype, causal, heads simulated) and cached; a call costs that launch's
+latency per head times its heads, spread over the logical core's physical cores as
+``kernel[lnc]`` spreads them.
 Calls the kernels do not cover (an explicit mask, dropout, head dim > 128, a backward whose
 query length is not a multiple of 128, dtypes other than fp32/bf16/fp16) keep the
 roofline cost, and the logger ``torch_neuronx.nkilib`` says why at debug level.
@@ -53,10 +55,27 @@ def _np_dtype(name):
     return np.dtype(name)
 
 
-@functools.lru_cache(maxsize=512)
+# Heads simulated together at most: a call's heads run in one kernel launch, pipelined, so
+# for short sequences one head's latency overlaps the others' work.
+_SIM_HEADS = 16
+
+
+def sim_heads(heads: int, sq: int, skv: int) -> int:
+    """How many of a call's heads the cost simulation runs in one launch."""
+    return max(1, min(_SIM_HEADS, heads, _SIM_SCORES // max(1, sq * skv)))
+
+
 def head_latency_ns(target: str, kind: str, sq: int, skv: int, d: int, dtype: str,
-                    causal: bool) -> float:
-    """Modelled latency of one query head of the NKI-lib kernel on one physical core."""
+                    causal: bool, heads: int = 1) -> float:
+    """Modelled latency per query head of the NKI-lib kernel on one physical core, for a
+    launch over ``heads`` heads (simulated together up to ``sim_heads``)."""
+    n = sim_heads(heads, sq, skv)
+    return _latency_ns(target, kind, sq, skv, d, dtype, causal, n) / n
+
+
+@functools.lru_cache(maxsize=512)
+def _latency_ns(target, kind, sq, skv, d, dtype, causal, n):
+    """Modelled latency of one launch of the kernel over n query heads."""
     f = 1.0
     while sq * skv / (f * f) > _SIM_SCORES:
         f *= 2
@@ -71,12 +90,12 @@ def head_latency_ns(target: str, kind: str, sq: int, skv: int, d: int, dtype: st
     scale = 1.0 / math.sqrt(d)
     if kind == "fwd":
         r = nki.benchmark(attention_cte, target=target)(
-            rand(1, s_q, d), rand(1, d, s_kv), rand(1, s_kv, d), scale=scale, causal_mask=causal)
+            rand(n, s_q, d), rand(n, d, s_kv), rand(n, s_kv, d), scale=scale, causal_mask=causal)
     else:
-        lse = np.zeros((1, 1, 128, s_q // 128), np.float32)
+        lse = np.zeros((1, n, 128, s_q // 128), np.float32)
         r = nki.benchmark(attention_bwd, target=target)(
-            rand(1, 1, d, s_q), rand(1, 1, d, s_kv), rand(1, 1, d, s_kv), rand(1, 1, d, s_q),
-            rand(1, 1, d, s_q), lse, use_causal_mask=causal, softmax_scale=scale)
+            rand(1, n, d, s_q), rand(1, n, d, s_kv), rand(1, n, d, s_kv), rand(1, n, d, s_q),
+            rand(1, n, d, s_q), lse, use_causal_mask=causal, softmax_scale=scale)
     return r.latency_ns * ratio
 
 
@@ -97,7 +116,7 @@ def _attention_seconds(op, kind, p, lnc, shapes, dtype, flags):
     if kind == "bwd" and sq % 128:
         return _decline(op, f"query length {sq} is not a multiple of 128 (attention_bwd's "
                             f"log-sum-exp layout)")
-    ns = head_latency_ns(p.name, kind, sq, skv, d, _DTYPES[dtype], bool(flags & 1))
+    ns = head_latency_ns(p.name, kind, sq, skv, d, _DTYPES[dtype], bool(flags & 1), B * H)
     return ns * 1e-9 * B * H / max(1, lnc)
 
 
@@ -137,7 +156,8 @@ def flex_seconds(kind, B, H, sq, skv, d, dtype, fraction):
         return _decline(op, f"dtype {dtype}")
     if kind == "bwd" and sq % 128:
         return _decline(op, f"query length {sq} is not a multiple of 128")
-    ns = head_latency_ns(cfg.profile.name, kind, sq, skv, d, _DTYPES[dtype], False) * fraction
+    ns = head_latency_ns(cfg.profile.name, kind, sq, skv, d, _DTYPES[dtype], False,
+                         B * H) * fraction
     flops = (4.0 if kind == "fwd" else 8.0) * B * H * sq * skv * d * fraction
     return cfg.profile.launch_overhead_ns * 1e-9 + ns * 1e-9 * B * H / max(1, cfg.lnc), flops
 

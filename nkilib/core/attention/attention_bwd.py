@@ -59,10 +59,19 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     Gq, Gk = Sq // P, (Skv + P - 1) // P
     group = H // Hkv
     n_prog, pid = nl.num_programs(0), nl.program_id(0)
+    isz = 4 if mm_dtype == nl.float32 else 2
+    # SBUF bytes per partition a head's operands and dq accumulator take, and a kv head's:
+    # heads are pipelined together in chunks that fit (short sequences: many heads at once,
+    # so one head's waits overlap the others' work).
+    head_bytes = 2 * Sq * isz + Gq * d * (2 * isz + 4)
+    kv_bytes = 2 * Skv * isz + Gk * d * (isz + 8)
+    chunk = _Chunk()
     for b in range(B):
         for hk in range(Hkv):
             if (b * Hkv + hk) % n_prog != pid:
                 continue
+            chunk.make_room(kv_bytes + head_bytes)
+            chunk.used += kv_bytes
             kT = _load(k_ref[b, hk], d, Skv, mm_dtype)          # (d, Skv)
             vT = _load(v_ref[b, hk], d, Skv, mm_dtype)
             k_rows = _rows(kT, d, Skv, mm_dtype)                 # (128, Gk, d)
@@ -71,6 +80,8 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
             nisa.memset(dst=dk_acc, value=0.0)
             nisa.memset(dst=dv_acc, value=0.0)
             for h in range(hk * group, (hk + 1) * group):
+                chunk.make_room(head_bytes)
+                chunk.used += head_bytes
                 qT = _load(q_ref[b, h], d, Sq, mm_dtype)
                 dyT = _load(dy_ref[b, h], d, Sq, mm_dtype)
                 q_rows = _rows(qT, d, Sq, mm_dtype)
@@ -83,30 +94,58 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
                     nisa.tensor_tensor(dst=prod, data1=dy_rows[:, i, :], data2=o_rows[:, i, :],
                                        op=nl.multiply)
                     nisa.tensor_reduce(dst=Dq[:, i:i + 1], op=nl.add, data=prod, axis=1)
+                del o_rows
                 neg_lse = nl.ndarray((P, Gq), dtype=nl.float32, buffer=nl.sbuf)
                 nisa.dma_copy(dst=neg_lse, src=lse_ref[b, h])
                 nisa.tensor_scalar(dst=neg_lse, data=neg_lse, op0=nl.multiply, operand0=-1.0)
                 dq_acc = nl.ndarray((P, Gq, d), dtype=nl.float32, buffer=nl.sbuf)
                 nisa.memset(dst=dq_acc, value=0.0)
-                units = []
                 for j in range(Gk):
                     k0, kw = j * P, min(P, Skv - j * P)
                     blocks = [i for i in range(Gq) if _needed(i * P, k0, kw, use_causal_mask, window)]
                     if not blocks:
                         continue
                     acc = _KeyBlock(j=j, k0=k0, kw=kw)
-                    units += [_block(acc, i, n == 0, n == len(blocks) - 1, kT, vT, k_rows, qT, dyT,
-                                     q_rows, dy_rows, Dq, neg_lse, dq_acc, dk_acc, dv_acc, scale,
-                                     use_causal_mask, window, mm_dtype, d)
-                              for n, i in enumerate(blocks)]
-                _pipeline(units)
-                for i in range(Gq):
-                    _store_T(dq[b, h, :, i * P:(i + 1) * P], dq_acc[:, i, :], P, d, scale, dt)
-            for j in range(Gk):
-                kw = min(P, Skv - j * P)
-                _store_T(dk[b, hk, :, j * P:j * P + kw], dk_acc[0:kw, j, :], kw, d, scale, k_ref.dtype)
-                _store_T(dv[b, hk, :, j * P:j * P + kw], dv_acc[0:kw, j, :], kw, d, 1.0, v_ref.dtype)
+                    chunk.units += [_block(acc, i, n == 0, n == len(blocks) - 1, kT, vT, k_rows,
+                                           qT, dyT, q_rows, dy_rows, Dq, neg_lse, dq_acc, dk_acc,
+                                           dv_acc, scale, use_causal_mask, window, mm_dtype, d)
+                                    for n, i in enumerate(blocks)]
+
+                def store_dq(b=b, h=h, dq_acc=dq_acc):
+                    for i in range(Gq):
+                        _store_T(dq[b, h, :, i * P:(i + 1) * P], dq_acc[:, i, :], P, d, scale, dt)
+                chunk.after.append(store_dq)
+
+            def store_dkv(b=b, hk=hk, dk_acc=dk_acc, dv_acc=dv_acc):
+                for j in range(Gk):
+                    kw = min(P, Skv - j * P)
+                    _store_T(dk[b, hk, :, j * P:j * P + kw], dk_acc[0:kw, j, :], kw, d, scale,
+                             k_ref.dtype)
+                    _store_T(dv[b, hk, :, j * P:j * P + kw], dv_acc[0:kw, j, :], kw, d, 1.0,
+                             v_ref.dtype)
+            chunk.after.append(store_dkv)
+    chunk.flush()
     return dq, dk, dv
+
+
+_CHUNK_BYTES = 64 * 1024
+
+
+class _Chunk:
+    """Units of several heads pipelined together, and the stores that follow them."""
+
+    def __init__(self):
+        self.units, self.after, self.used = [], [], 0
+
+    def make_room(self, nbytes):
+        if self.units and self.used + nbytes > _CHUNK_BYTES:
+            self.flush()
+
+    def flush(self):
+        _pipeline(self.units)
+        for f in self.after:
+            f()
+        self.units, self.after, self.used = [], [], 0
 
 
 class _KeyBlock:

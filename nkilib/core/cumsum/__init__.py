@@ -1,0 +1,1 @@
+"""Cumulative sum along the last axis (``from nkilib.core.cumsum.cumsum import cumsum``)."""

@@ -1,0 +1,1 @@
+"""Embeddings: rotary position embedding (``from nkilib.core.embeddings.rope import RoPE``)."""
