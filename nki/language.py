@@ -650,7 +650,13 @@ _MISSING = {"atomic_rmw", "all_reduce", "loop_reduce", "gather_flattened", "stat
             "dropout_", "random", "invert_", "prelu"}
 
 
+# Names AWS's kernel library uses that would shadow Python builtins inside this module.
+_BUILTIN_NAMES = {"range": affine_range, "bool": bool_, "dtype": DType}
+
+
 def __getattr__(name):
+    if name in _BUILTIN_NAMES:
+        return _BUILTIN_NAMES[name]
     if name in _MISSING:
         raise E.UnsupportedError(f"nki.language.{name} is not implemented in this NKI simulator")
     raise AttributeError(f"module 'nki.language' has no attribute {name!r}")
