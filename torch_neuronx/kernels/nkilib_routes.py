@@ -29,6 +29,7 @@ import torch
 import nki
 from nkilib.core.attention.attention_bwd import attention_bwd
 from nkilib.core.attention.attention_cte import attention_cte
+from nkilib.core.moe.moe_cte.grouped_mm import grouped_mm
 
 from .. import _C, cost_model
 
@@ -133,13 +134,40 @@ cost_model.KERNEL_COSTS[BWD] = _bwd_seconds
 
 
 def grouped_mm_seconds(a_shape, b_shape, dtype, offs):
-    """(modelled seconds, flops) of one ``torch._grouped_mm`` kernel launch."""
+    """(modelled seconds, flops) of one ``torch._grouped_mm`` kernel launch: NKI-lib's
+    ``grouped_mm`` for the 2-D x 3-D form (MoE experts; groups taken as equal, since the
+    cost is cached per shape while routing changes every step), the TensorE roofline for
+    the other forms."""
     from .. import _state
     cfg = _state.config()
     nbytes = dtype.itemsize * (math.prod(a_shape) + math.prod(b_shape))
     seconds, _, flops = cost_model.op_seconds(cfg.profile, cfg.lnc, "_grouped_mm",
                                               [a_shape, b_shape], dtype, nbytes, 0)
-    return seconds, flops
+    if len(a_shape) != 2 or len(b_shape) != 3:
+        return seconds, flops
+    if dtype not in _DTYPES:
+        _decline("_grouped_mm", f"dtype {dtype}")
+        return seconds, flops
+    (M, K), (G, _, N) = a_shape, b_shape
+    ns = _grouped_mm_ns(cfg.profile.name, M, K, N, G, _DTYPES[dtype])
+    return cfg.profile.launch_overhead_ns * 1e-9 + ns * 1e-9 / max(1, cfg.lnc), flops
+
+
+# Rows x columns simulated at most; more are scaled linearly (the kernel's work is).
+_SIM_ROWS, _SIM_COLS = 2048, 2048
+
+
+@functools.lru_cache(maxsize=256)
+def _grouped_mm_ns(target, M, K, N, G, dtype):
+    m, n = min(M, _SIM_ROWS), min(N, _SIM_COLS)
+    g = max(1, min(G, m))
+    rng = np.random.default_rng(0)
+    dt = _np_dtype(dtype)
+    a = (0.1 * rng.standard_normal((m, K), dtype=np.float32)).astype(dt)
+    b = (0.1 * rng.standard_normal((g, K, n), dtype=np.float32)).astype(dt)
+    offs = ((np.arange(1, g + 1) * m) // g).astype(np.int32)
+    r = nki.benchmark(grouped_mm, target=target)(a, b, offs)
+    return r.latency_ns * (M / m) * (N / n)
 
 
 def flex_seconds(kind, B, H, sq, skv, d, dtype, fraction):

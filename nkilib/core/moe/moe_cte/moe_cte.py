@@ -1,0 +1,393 @@
+"""Mixture-of-experts MLP for context encoding (prefill): AWS's ``moe_cte``, block sharding.
+
+Tokens arrive routed into blocks: ``token_position_to_id`` [N*B] lists, for each of N blocks
+of B = ``block_size`` slots, the token in every slot (T, the padding id, names the padding
+row ``hidden_states[T]``), and ``block_to_expert`` [N, 1] the expert of each block. For every
+block the kernel gathers its tokens, computes ``act(h @ Wg) * (h @ Wu) @ Wd`` with that
+expert's weights, scales each row by the token's affinity for the expert (POST_SCALE) and
+adds it into the token's output row; a token routed to k experts sits in k blocks. Layouts
+are AWS's: hidden_states [T+1, H], expert_affinities_masked [(T+1)*E, 1], gate_up_proj_weight
+[E, H, 2, I], down_proj_weight [E, I, H]; the output is [T+1, H] in the inputs' dtype.
+
+Implemented: the unquantized float32/bfloat16 path on one NeuronCore, optional biases
+(gate_and_up_proj_bias [E, 2, I], down_proj_bias [E, H]), gate/up clamps, ``conditions``
+(processing stops at the first block whose condition is 0), POST_SCALE and NO_SCALE, and
+``is_tensor_update_accumulating=False`` (top-1: rows are written, not added). Matmuls run in
+the inputs' dtype with fp32 PSUM accumulation (``compute_dtype`` is accepted and not used).
+Quantization, MX, activation checkpointing, DMA skipping, PRE_SCALE and the shard-on-I
+variants raise ``UnsupportedError``. Ours, beyond AWS's constraints: H a multiple of 128,
+any I, block_size a multiple of 128.
+
+Slots holding the padding id T are skipped: the padding row of the output stays zero. Each
+other token slot costs three small DMAs (its hidden row, its affinity, its output row);
+TensorE transposes the gathered rows into the K-on-partitions layout it contracts over,
+hidden index h = p * (H / 128) + k on partition p, chunk k, the order in which the weights'
+rows are contiguous per partition. The next block's gather is issued before this block's matmuls, so the DMA queues
+fill it while TensorE works.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Optional
+
+import nki
+import nki.isa as nisa
+import nki.language as nl
+from nki import errors as E
+
+from ...utils.common_types import ActFnType
+
+_BANK_F32 = 512          # fp32 values per partition in one 2 KiB PSUM bank
+_I_CHUNK = 512           # columns of the gate and of the up projection loaded per DMA
+_ACT = {ActFnType.SiLU: nl.silu, ActFnType.GELU: nl.gelu,
+        ActFnType.GELU_Tanh_Approx: nl.gelu_apprx_tanh, ActFnType.Swish: nl.gelu_apprx_sigmoid}
+
+
+class ExpertAffinityScaleMode(Enum):
+    """AWS's affinity scaling modes (``nkilib.core.utils.common_types`` in AWS's library)."""
+    NO_SCALE = 0
+    POST_SCALE = 1
+    PRE_SCALE = 2
+    PRE_SCALE_DELAYED = 3
+
+
+class MoECTEImplementation(Enum):
+    shard_on_block = 0
+    shard_on_i = 1
+    shard_on_i_hybrid = 2
+    shard_on_i_dropping = 3
+    shard_on_block_mx = 4
+    shard_on_i_mx = 5
+    shard_on_i_mx_hybrid = 6
+
+
+@dataclass
+class ShardOnBlockConfig(nl.NKIObject):
+    """Accepted for compatibility; one core processes every block in order."""
+    n_block_per_iter: int = 1
+    block_sharding_strategy: Optional[object] = None
+    n_static_blocks: int = -1
+    n_dynamic_blocks: int = 55
+
+
+@dataclass
+class MoECTESpec(nl.NKIObject):
+    """Which variant to run; only ``shard_on_block`` is implemented."""
+    implementation: MoECTEImplementation = MoECTEImplementation.shard_on_block
+    shard_on_block: Optional[ShardOnBlockConfig] = None
+    shard_on_I: Optional[object] = None
+
+
+def _unsupported(what):
+    raise E.UnsupportedError(f"moe_cte: {what} is not implemented in this NKI-lib")
+
+
+def _bad_shape(msg):
+    raise E.ShapeMismatchError(f"moe_cte: {msg}")
+
+
+@nki.jit
+def moe_cte(hidden_states, expert_affinities_masked, gate_up_proj_weight, down_proj_weight,
+            token_position_to_id, block_to_expert, block_size, spec=None, conditions=None,
+            gate_and_up_proj_bias=None, down_proj_bias=None, quantization_config=None,
+            gate_up_proj_scale=None, down_proj_scale=None, gate_up_activations_T=None,
+            down_activations=None, activation_function=ActFnType.SiLU, skip_dma=None,
+            compute_dtype=None, is_tensor_update_accumulating=True,
+            expert_affinities_scaling_mode=ExpertAffinityScaleMode.POST_SCALE,
+            gate_clamp_upper_limit=None, gate_clamp_lower_limit=None,
+            up_clamp_upper_limit=None, up_clamp_lower_limit=None, gate_up_in_scale=None,
+            down_in_scale=None, accumulation_dtype=None, skip_gate_proj=False):
+    if spec is not None and getattr(spec.implementation, "name", "") != "shard_on_block":
+        _unsupported(f"implementation {spec.implementation}")
+    for name, val in (("quantization (quantization_config)", quantization_config),
+                      ("quantization (gate_up_proj_scale)", gate_up_proj_scale),
+                      ("quantization (down_proj_scale)", down_proj_scale),
+                      ("MX input scales (gate_up_in_scale)", gate_up_in_scale),
+                      ("MX input scales (down_in_scale)", down_in_scale),
+                      ("activation checkpointing (gate_up_activations_T)", gate_up_activations_T),
+                      ("activation checkpointing (down_activations)", down_activations)):
+        if val is not None:
+            _unsupported(name)
+    if skip_gate_proj:
+        _unsupported("skip_gate_proj")
+    if skip_dma is not None and (getattr(skip_dma, "skip_token", False)
+                                 or getattr(skip_dma, "skip_weight", False)):
+        _unsupported("DMA skipping (skip_dma)")
+    mode = getattr(expert_affinities_scaling_mode, "name", str(expert_affinities_scaling_mode))
+    if mode not in ("POST_SCALE", "NO_SCALE"):
+        _unsupported(f"expert_affinities_scaling_mode {mode}")
+    act = _ACT.get(activation_function) or next(
+        (f for k, f in _ACT.items() if k.name == getattr(activation_function, "name", None)), None)
+    if act is None:
+        _unsupported(f"activation_function {activation_function}")
+    if nl.num_programs(0) > 1:
+        _unsupported("running on more than one NeuronCore (an LNC=2 grid)")
+
+    P = nl.tile_size.pmax
+    T1, H = hidden_states.shape
+    if gate_up_proj_weight.ndim != 4 or gate_up_proj_weight.shape[1:3] != (H, 2):
+        _bad_shape(f"gate_up_proj_weight {tuple(gate_up_proj_weight.shape)} must be [E, {H}, 2, I] "
+                   f"for hidden_states {tuple(hidden_states.shape)}")
+    n_exp, I = gate_up_proj_weight.shape[0], gate_up_proj_weight.shape[3]
+    if tuple(down_proj_weight.shape) != (n_exp, I, H):
+        _bad_shape(f"down_proj_weight {tuple(down_proj_weight.shape)} must be [{n_exp}, {I}, {H}]")
+    if tuple(expert_affinities_masked.shape) != (T1 * n_exp, 1):
+        _bad_shape(f"expert_affinities_masked {tuple(expert_affinities_masked.shape)} must be "
+                   f"[{T1 * n_exp}, 1] ((T+1) * E)")
+    B = int(block_size)
+    if B <= 0 or B % P:
+        _bad_shape(f"block_size {B} must be a positive multiple of {P}")
+    if H % P:
+        _bad_shape(f"hidden size H={H} must be a multiple of {P}")
+    NB = block_to_expert.shape[0]
+    if token_position_to_id.ndim != 1 or token_position_to_id.shape[0] != NB * B:
+        _bad_shape(f"token_position_to_id {tuple(token_position_to_id.shape)} must be [N*B] = "
+                   f"[{NB * B}] for block_to_expert {tuple(block_to_expert.shape)} and block_size {B}")
+    dt = hidden_states.dtype
+    for nm, t in (("gate_up_proj_weight", gate_up_proj_weight), ("down_proj_weight", down_proj_weight)):
+        if t.dtype != dt or dt not in (nl.float32, nl.bfloat16):
+            raise E.DtypeLegalityError(f"moe_cte: hidden_states and {nm} must share dtype float32 or "
+                                       f"bfloat16, got {dt.name} and {t.dtype.name}")
+    for nm, t in (("token_position_to_id", token_position_to_id), ("block_to_expert", block_to_expert)):
+        if t.dtype != nl.int32:
+            raise E.DtypeLegalityError(f"moe_cte: {nm} must be int32, got {t.dtype.name}")
+
+    out = nl.ndarray((T1, H), dtype=dt, buffer=nl.shared_hbm)
+    c = _Cfg(h=hidden_states, aff=expert_affinities_masked.reshape((T1, n_exp)),
+             wgu=gate_up_proj_weight, wd=down_proj_weight, out=out, dt=dt, T1=T1, H=H, I=I,
+             E=n_exp, B=B, kh=H // P, ni=(I + P - 1) // P, act=act,
+             scale=mode == "POST_SCALE", accumulate=bool(is_tensor_update_accumulating),
+             bgu=gate_and_up_proj_bias, bd=down_proj_bias,
+             gclamp=(gate_clamp_lower_limit, gate_clamp_upper_limit),
+             uclamp=(up_clamp_lower_limit, up_clamp_upper_limit), reg=nisa.register_alloc(0))
+    _zero(c)
+    blocks = _blocks(c, block_to_expert, conditions, NB)
+    # PSUM rings (gate, up, down results), each slot a whole bank, used in turn
+    c.g_ring = nl.ndarray((P, 2, _BANK_F32), dtype=nl.float32, buffer=nl.psum)
+    c.u_ring = nl.ndarray((P, 2, _BANK_F32), dtype=nl.float32, buffer=nl.psum)
+    c.y_ring = nl.ndarray((P, 2, _BANK_F32), dtype=nl.float32, buffer=nl.psum)
+    c.t_ring = nl.ndarray((P, 2, P), dtype=c.dt, buffer=nl.psum)
+    c.n_gu = c.n_y = c.n_t = 0
+    ids = nl.ndarray((1, NB * B), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=ids, src=token_position_to_id.reshape((1, NB * B)))
+    c.ids = ids
+    gathered = [_gather(c, *blocks[0])] if blocks else []
+    for i, (n, e) in enumerate(blocks):
+        if i + 1 < len(blocks):
+            gathered.append(_gather(c, *blocks[i + 1]))
+        g = gathered[i]
+        gathered[i] = None
+        actT = _gate_up(c, e, g)
+        y = _down(c, e, g, actT)
+        _scatter(c, g, y)
+    return out
+
+
+class _Cfg:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _zero(c):
+    """The output starts at zero: tokens in no block (and the padding row) stay there."""
+    P = nl.tile_size.pmax
+    z = nl.ndarray((P, c.H), dtype=c.dt, buffer=nl.sbuf)
+    nisa.memset(dst=z, value=0.0, engine=nisa.gpsimd_engine)
+    for r0 in range(0, c.T1, P):
+        r = min(P, c.T1 - r0)
+        nisa.dma_copy(dst=c.out[r0:r0 + r, :], src=z[0:r, :])
+
+
+def _blocks(c, block_to_expert, conditions, NB):
+    """(block, expert) pairs to process: the experts through a register; blocks of an expert
+    id outside [0, E) are skipped, and processing stops at a zero condition."""
+    bte = nl.ndarray((1, NB), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=bte, src=block_to_expert.reshape((1, NB)))
+    cond = None
+    if conditions is not None:
+        if conditions.shape[0] < NB:
+            _bad_shape(f"conditions {tuple(conditions.shape)} must hold at least N={NB} entries")
+        cond = nl.ndarray((1, NB), dtype=conditions.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=cond, src=conditions.reshape((conditions.shape[0],))[0:NB].reshape((1, NB)))
+    out = []
+    for n in range(NB):
+        if cond is not None:
+            nisa.register_load(c.reg, cond[0:1, n:n + 1])
+            if int(c.reg) == 0:
+                break
+        nisa.register_load(c.reg, bte[0:1, n:n + 1])
+        e = int(c.reg)
+        if 0 <= e < c.E:
+            out.append((n, e))
+    return out
+
+
+class _Block:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _gather(c, n, e):
+    """The block's token rows, one contiguous row per DMA into h [128, B/128, H] (slot
+    j*128 + p on partition p), then TensorE transposes into hT [128, B, H/128] (K on
+    partitions, hidden index p*(H/128) + k at [p, :, k]); and the slots' affinities
+    for expert e into aff [128, B/128] (slot j*128 + p on partition p), one DMA per slot."""
+    P = nl.tile_size.pmax
+    B = c.B
+    hT = nl.ndarray((P, B, c.kh), dtype=c.dt, buffer=nl.sbuf)
+    h = nl.ndarray((P, B // P, c.H), dtype=c.dt, buffer=nl.sbuf)
+    aff = nl.ndarray((P, B // P), dtype=nl.float32, buffer=nl.sbuf)
+    toks = []
+    for s in range(B):
+        nisa.register_load(c.reg, c.ids[0:1, n * B + s:n * B + s + 1])
+        t = int(c.reg)
+        if not 0 <= t < c.T1:
+            raise E.IndexOutOfBoundsError(f"moe_cte: token_position_to_id[{n * B + s}] = {t} is "
+                                          f"outside hidden_states' {c.T1} rows")
+        toks.append(t)
+    if c.T1 - 1 in toks:        # padding slots compute on zeros
+        nisa.memset(dst=h, value=0.0, engine=nisa.gpsimd_engine)
+        nisa.memset(dst=aff, value=0.0, engine=nisa.gpsimd_engine)
+    for s, t in enumerate(toks):
+        if t == c.T1 - 1:       # the padding id: its DMAs are skipped, as the DGE skips them
+            continue
+        nisa.dma_copy(dst=h[s % P:s % P + 1, s // P, :], src=c.h[t:t + 1, :])
+        if c.scale:
+            nisa.dma_copy(dst=aff[s % P:s % P + 1, s // P:s // P + 1], src=c.aff[t, e:e + 1])
+    for j in range(B // P):
+        for k in range(c.kh):
+            slot = c.n_t % 2
+            c.n_t += 1
+            tp = c.t_ring[:, slot, :]
+            nisa.nc_transpose(dst=tp, data=h[:, j, k::c.kh])
+            if slot:
+                nisa.activation(dst=hT[:, j * P:(j + 1) * P, k], op=nl.copy, data=tp)
+            else:
+                nisa.tensor_copy(dst=hT[:, j * P:(j + 1) * P, k], src=tp)
+    return _Block(n=n, e=e, hT=hT, aff=aff, toks=toks)
+
+
+def _gate_up(c, e, g):
+    """actT [128, ceil(I/128), B] = act(h @ Wg (+ bg)) * (h @ Wu (+ bu)), I on partitions:
+    the stationary operand of the down projection."""
+    P = nl.tile_size.pmax
+    B, I = c.B, c.I
+    actT = nl.ndarray((P, c.ni, B), dtype=c.dt, buffer=nl.sbuf)
+    w_e = c.wgu[e].reshape((P, c.kh, 2, I))       # row p * kh + k on partition p, chunk k
+    bias = None
+    if c.bgu is not None:       # per-I biases, I on partitions: [128, ni, 2]
+        bias = nl.ndarray((P, c.ni, 2), dtype=nl.float32, buffer=nl.sbuf)
+        for ci in range(c.ni):
+            iw = min(P, I - ci * P)
+            for j in range(2):
+                nisa.dma_copy(dst=bias[0:iw, ci, j:j + 1],
+                              src=c.bgu[e, j, ci * P:ci * P + iw].reshape((iw, 1)))
+    for i0 in range(0, I, _I_CHUNK):
+        icw = min(_I_CHUNK, I - i0)
+        w = nl.ndarray((P, c.kh, 2, icw), dtype=c.dt, buffer=nl.sbuf)
+        nisa.dma_copy(dst=w, src=w_e[:, :, :, i0:i0 + icw])
+        for s0 in range(0, icw, P):
+            iw, ci = min(P, icw - s0), (i0 + s0) // P
+            for b0 in range(0, B, _BANK_F32):
+                bw = min(_BANK_F32, B - b0)
+                slot = c.n_gu % 2
+                c.n_gu += 1
+                gp = c.g_ring[0:iw, slot, 0:bw]
+                up = c.u_ring[0:iw, slot, 0:bw]
+                for k in range(c.kh):
+                    nisa.nc_matmul(dst=gp, stationary=w[:, k, 0, s0:s0 + iw],
+                                   moving=g.hT[:, b0:b0 + bw, k], accumulate=k > 0)
+                for k in range(c.kh):
+                    nisa.nc_matmul(dst=up, stationary=w[:, k, 1, s0:s0 + iw],
+                                   moving=g.hT[:, b0:b0 + bw, k], accumulate=k > 0)
+                _combine(c, gp, up, actT[0:iw, ci, b0:b0 + bw],
+                         None if bias is None else bias[0:iw, ci, :])
+    return actT
+
+
+def _combine(c, gp, up, dst, bias):
+    """act(gate) on ScalarE straight from PSUM, times up on VectorE; clamps on VectorE."""
+    rows, cols = gp.shape
+    src, b = gp, None if bias is None else bias[:, 0:1]
+    lo, hi = c.gclamp
+    if lo is not None or hi is not None:
+        src = _clamp(gp, b, lo, hi)
+        b = None
+    a = nl.ndarray((rows, cols), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=a, op=c.act, data=src, bias=b)
+    u, ub = up, None if bias is None else bias[:, 1:2]
+    lo, hi = c.uclamp
+    if lo is not None or hi is not None:
+        u, ub = _clamp(up, ub, lo, hi), None
+    if ub is not None:
+        nisa.scalar_tensor_tensor(dst=dst, data=u, op0=nl.add, operand0=ub, op1=nl.multiply,
+                                  operand1=a)
+    else:
+        nisa.tensor_tensor(dst=dst, data1=u, data2=a, op=nl.multiply)
+
+
+def _clamp(src, bias, lo, hi):
+    rows, cols = src.shape
+    t = nl.ndarray((rows, cols), dtype=nl.float32, buffer=nl.sbuf)
+    if bias is not None:
+        nisa.tensor_scalar(dst=t, data=src, op0=nl.add, operand0=bias)
+        src = t
+    ops = [(nl.maximum, float(lo))] if lo is not None else []
+    ops += [(nl.minimum, float(hi))] if hi is not None else []
+    if len(ops) == 2:
+        nisa.tensor_scalar(dst=t, data=src, op0=ops[0][0], operand0=ops[0][1], op1=ops[1][0],
+                           operand1=ops[1][1])
+    else:
+        nisa.tensor_scalar(dst=t, data=src, op0=ops[0][0], operand0=ops[0][1])
+    return t
+
+
+def _down(c, e, g, actT):
+    """y [128, B/128, H] = actT.T @ Wd (+ bd), token slot j*128 + p on partition p, scaled
+    by the slot's affinity as it leaves PSUM (VectorE and ScalarE in turn)."""
+    P = nl.tile_size.pmax
+    B, H, I = c.B, c.H, c.I
+    nt = B // P
+    y = nl.ndarray((P, nt, H), dtype=c.dt, buffer=nl.sbuf)
+    for h0 in range(0, H, _BANK_F32):
+        hw = min(_BANK_F32, H - h0)
+        wd = nl.ndarray((P, c.ni, hw), dtype=c.dt, buffer=nl.sbuf)
+        for ci in range(c.ni):
+            iw = min(P, I - ci * P)
+            nisa.dma_copy(dst=wd[0:iw, ci, :], src=c.wd[e, ci * P:ci * P + iw, h0:h0 + hw])
+        bd = None
+        if c.bd is not None:     # the bias row on every partition
+            bd = nl.ndarray((P, hw), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=bd, src=c.bd[e:e + 1, h0:h0 + hw].ap([[0, P], [1, hw]]))
+        for j in range(nt):
+            slot = c.n_y % 2
+            c.n_y += 1
+            yp = c.y_ring[:, slot, 0:hw]
+            for ci in range(c.ni):
+                iw = min(P, I - ci * P)
+                nisa.nc_matmul(dst=yp, stationary=actT[0:iw, ci, j * P:(j + 1) * P],
+                               moving=wd[0:iw, ci, :], accumulate=ci > 0)
+            dst = y[:, j, h0:h0 + hw]
+            src = yp
+            if bd is not None:
+                t = nl.ndarray((P, hw), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.tensor_tensor(dst=t, data1=yp, data2=bd, op=nl.add)
+                src = t
+            if not c.scale:
+                nisa.tensor_copy(dst=dst, src=src)
+            elif slot:
+                nisa.activation(dst=dst, op=nl.copy, data=src, scale=g.aff[:, j:j + 1])
+            else:
+                nisa.tensor_scalar(dst=dst, data=src, op0=nl.multiply, operand0=g.aff[:, j:j + 1])
+    return y
+
+
+def _scatter(c, g, y):
+    """Each slot's row into its token's output row: added (top-k) or written (top-1)."""
+    P = nl.tile_size.pmax
+    rmw = nl.add if c.accumulate else None
+    for s, t in enumerate(g.toks):
+        if t == c.T1 - 1:       # a padding slot: the padding row of the output stays zero
+            continue
+        nisa.dma_copy(dst=c.out[t:t + 1, :], src=y[s % P:s % P + 1, s // P, :], dst_rmw_op=rmw)

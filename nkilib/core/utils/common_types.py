@@ -1,0 +1,31 @@
+"""Enumerations the kernels share, at AWS's module path (``nkilib.core.utils.common_types``).
+
+Member names and values are AWS's, so configuration built against AWS's library selects the
+same behaviour here; a kernel says which members it implements.
+"""
+from __future__ import annotations
+
+from enum import Enum
+
+
+class NormType(Enum):
+    NO_NORM = 0
+    RMS_NORM = 1
+    LAYER_NORM = 2
+    RMS_NORM_SKIP_GAMMA = 3      # RMSNorm without the weight (gamma) multiply
+
+
+class ActFnType(Enum):
+    SiLU = 0
+    GELU = 1                     # exact (erf) GELU
+    GELU_Tanh_Approx = 2
+    Swish = 3                    # x * sigmoid(1.702 x), as AWS's reference defines it
+
+
+class QuantizationType(Enum):
+    NONE = 0
+    STATIC = 1
+    ROW = 2
+    MX = 3
+    STATIC_MX = 4
+    ROW_MX = 5
