@@ -21,6 +21,9 @@ replaces each scaled score s by cap * tanh(s / cap) before the softmax.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace as _Cfg
+from types import SimpleNamespace as _Group   # a query group's running state
+
 import nki
 import nki.isa as nisa
 import nki.language as nl
@@ -108,13 +111,6 @@ def attention_cte(q, k, v, scale=1.0, causal_mask=True, k_prior=None, v_prior=No
     if cache_softmax:
         return out, neg_max, sum_recip
     return out
-
-
-
-
-class _Cfg:
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
 
 
 def _scratch(c, rows, cols, dtype):
@@ -215,14 +211,6 @@ def _unit(c, i, x, s0, first, last):
     if last:
         yield c.late
         _finish(c, x, d)
-
-
-class _Group:
-    """One query group's running state (maximum, sum, output accumulator) and its tiles of
-    the section in flight."""
-
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
 
 
 def _mask(c, src, s_ps, s0, w, q0, r):

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from types import SimpleNamespace as _Cfg
+
 import nki
 import nki.isa as nisa
 import nki.language as nl
@@ -76,11 +78,6 @@ def _layout(R, H):
     divs = [d for d in range(1, min(_P, H) + 1) if H % d == 0]
     fit = [d for d in divs if H // d <= _LMAX] or [divs[-1]]
     return min(((-(-R * d // _P)) * (H // d + _TILE_COST), d, H // d) for d in fit)[1:]
-
-
-class _Cfg:
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
 
 
 def _parts(r, nseg, k):

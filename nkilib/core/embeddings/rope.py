@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from types import SimpleNamespace as _Cfg
+
 import nki
 import nki.isa as nisa
 import nki.language as nl
@@ -103,11 +105,6 @@ def _blocks(B, H, S):
     nb = min(B, _COLS // (H * S)) if nh == H else 1
     return [(b0, min(nb, B - b0), h0, min(nh, H - h0), s0, min(w, S - s0))
             for b0 in range(0, B, nb) for s0 in range(0, S, w) for h0 in range(0, H, nh)]
-
-
-class _Cfg:
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
 
 
 def _table(c, t, b0, nb, s0, w):

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import enum
 
+from types import SimpleNamespace as _Cfg   # the kernel's operands and options
+
 import nki
 import nki.isa as nisa
 import nki.language as nl
@@ -97,13 +99,6 @@ def router_topk(x, w, w_bias, router_logits, expert_affinities, expert_index, ac
         _load_weights(c, w, w_bias)
         _pipeline([_tile(c, t0, min(_P, hi - t0)) for t0 in range(lo, hi, _P)])
     return outs + ([eager] if return_eager_affi else [])
-
-
-class _Cfg:
-    """The kernel's operands and options, shared by its token tiles."""
-
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
 
 
 def _act(act_fn):

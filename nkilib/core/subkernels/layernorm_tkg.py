@@ -25,6 +25,8 @@ tiles are software-pipelined across the engines; intermediates stay in the input
 """
 from __future__ import annotations
 
+from types import SimpleNamespace as _Cfg
+
 import nki
 import nki.isa as nisa
 import nki.language as nl
@@ -62,11 +64,6 @@ def layernorm_tkg(input, gamma, output=None, beta=None, eps=1e-6, shard_on_h=Fal
                  grp=_u.group_matrix(rt.nseg, n, 1.0 / rt.nseg) if rt.nseg > 1 else None)
         _pipeline([(_unit if rt.k == 1 else _packed_unit)(c, t0, r) for t0, r in tiles])
     return lay.out
-
-
-class _Cfg:
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
 
 
 def _unit(c, t0, r):

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import math
 
+from types import SimpleNamespace as _Cfg
+
 import nki
 import nki.isa as nisa
 import nki.language as nl
@@ -56,11 +58,6 @@ def rmsnorm_tkg(input, gamma, output=None, eps=1e-6, hidden_actual=None, hidden_
                  junk=nl.ndarray((n, rt.W), dtype=nl.bfloat16, buffer=nl.sbuf) if rt.k == 1 else None)
         _pipeline([(_unit if rt.k == 1 else _packed_unit)(c, t0, r) for t0, r in tiles])
     return lay.out
-
-
-class _Cfg:
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
 
 
 def _unit(c, t0, r):

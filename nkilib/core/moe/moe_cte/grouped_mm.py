@@ -17,6 +17,8 @@ copies alternate between VectorE and ScalarE, so TensorE does not wait on either
 """
 from __future__ import annotations
 
+from types import SimpleNamespace as _Cfg
+
 import nki
 import nki.isa as nisa
 import nki.language as nl
@@ -75,11 +77,6 @@ def grouped_mm(mat_a, mat_b, offs):
     _zero_tail(c, start, M)
     _run(c, units)
     return out
-
-
-class _Cfg:
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
 
 
 def _read_offsets(offs, M):

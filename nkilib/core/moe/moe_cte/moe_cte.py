@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Optional
 
+from types import SimpleNamespace as _Cfg
+
 import nki
 import nki.isa as nisa
 import nki.language as nl
@@ -182,11 +184,6 @@ def moe_cte(hidden_states, expert_affinities_masked, gate_up_proj_weight, down_p
         y = _down(c, e, g, actT)
         _scatter(c, g, y)
     return out
-
-
-class _Cfg:
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
 
 
 def _zero(c):
