@@ -151,3 +151,22 @@ def test_heads_of_a_call_pipeline_together():
     one_b = routes.head_latency_ns("trn2", "bwd", 128, 128, 32, "bfloat16", True, 1)
     many_b = routes.head_latency_ns("trn2", "bwd", 128, 128, 32, "bfloat16", True, 16)
     assert many_b < 0.5 * one_b
+
+
+def test_decode_shaped_sdpa_is_the_decode_kernel():
+    from neuronhw import get_profile
+    from nki.simulator.timing import Timeline
+    cfg = _state.config()
+    q = torch.randn(2, 8, 1, 64, device="neuron")
+    times = {}
+    for skv in (2048, 8192):
+        k = torch.randn(2, 2, skv, 64, device="neuron")
+        _, fwd, _ = _attention_time(lambda a, b: F.scaled_dot_product_attention(a, b, b, enable_gqa=True), q, k)
+        want = routes.decode_latency_ns(cfg.profile.name, 8, 2, 1, skv, 64, "float32")
+        assert fwd == pytest.approx(cfg.profile.launch_overhead_ns * 1e-9 + want * 1e-9 * 2 / cfg.lnc,
+                                    rel=1e-9)
+        times[skv] = want
+    # bound by reading the cache: the extra keys cost about their bytes at the HBM rate
+    rate = Timeline(get_profile(cfg.profile.name)).hbm_bytes_per_ns
+    extra_bytes = (8192 - 2048) * 64 * 4 * 2 * 2          # K and V, 2 kv heads, fp32
+    assert 0.9 < (times[8192] - times[2048]) / (extra_bytes / rate) < 2.0

@@ -4,7 +4,8 @@
 (``_scaled_dot_product_flash_attention_for_cpu`` and its backward), eagerly and from
 compiled graphs, where the host runs it at CPU speed with CPU's numerics. Its modelled time
 is that of NKI-lib's FlashAttention kernels (``nkilib.core.attention.attention_cte`` and
-``attention_bwd``) at the call's shape: one launch over up to 16 of the call's query heads
+``attention_bwd``; ``attention_tkg`` for decode-shaped calls of at most 8 queries against
+at least 128 keys) at the call's shape: one launch over up to 16 of the call's query heads
 (pipelined together, as the kernel runs them) is simulated on the target chip once per
 (chip, shape, dtype, causal, heads simulated) and cached; a call costs that launch's
 latency per head times its heads, spread over the logical core's physical cores as
@@ -29,6 +30,7 @@ import torch
 import nki
 from nkilib.core.attention.attention_bwd import attention_bwd
 from nkilib.core.attention.attention_cte import attention_cte
+from nkilib.core.attention.attention_tkg import attention_tkg
 from nkilib.core.moe.moe_cte.grouped_mm import grouped_mm
 
 from .. import _C, cost_model
@@ -117,8 +119,34 @@ def _attention_seconds(op, kind, p, lnc, shapes, dtype, flags):
     if kind == "bwd" and sq % 128:
         return _decline(op, f"query length {sq} is not a multiple of 128 (attention_bwd's "
                             f"log-sum-exp layout)")
+    Hkv = k[1]
+    if kind == "fwd" and _decode_shape(H, Hkv, sq, skv):
+        ns = decode_latency_ns(p.name, H, Hkv, sq, skv, d, _DTYPES[dtype])
+        return ns * 1e-9 * B / max(1, lnc)
     ns = head_latency_ns(p.name, kind, sq, skv, d, _DTYPES[dtype], bool(flags & 1), B * H)
     return ns * 1e-9 * B * H / max(1, lnc)
+
+
+def _decode_shape(H, Hkv, sq, skv) -> bool:
+    """A call shaped like decoding (a few queries against a long cache) that attention_tkg
+    covers: its time is the decode kernel's, bound by reading the cache."""
+    return sq <= 8 and skv >= 128 and Hkv and H % Hkv == 0 and (H // Hkv) * sq <= 128
+
+
+@functools.lru_cache(maxsize=256)
+def decode_latency_ns(target, H, Hkv, sq, skv, d, dtype):
+    """Modelled latency of NKI-lib's ``attention_tkg`` for one sequence: H query heads, sq
+    new tokens, a contiguous cache of skv tokens (the new ones included) over Hkv kv heads."""
+    s = min(skv, 32768)
+    rng = np.random.default_rng(0)
+    dt = _np_dtype(dtype)
+
+    def rand(*shape):
+        return (0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(dt)
+    r = nki.benchmark(attention_tkg, target=target)(
+        rand(1, d, H, sq), None, None, rand(1, Hkv, d, s), rand(1, Hkv, s, d),
+        scale=1.0 / math.sqrt(d))
+    return r.latency_ns * skv / s
 
 
 def _fwd_seconds(p, lnc, shapes, dtype, flags):
