@@ -607,6 +607,32 @@ def shared_identity_matrix(n, dtype=uint8, dst=None):
     return t
 
 
+def gather_flattened(data, indices, axis=0, dtype=None):
+    """result[p, ...] = data[p, flat index]: each partition picks elements of its own row of
+    ``data`` (free dims flattened) at the integer ``indices`` of the same partition; the
+    result has the indices' shape. On GpSimd, as AWS's (experimental) API describes it."""
+    I = "gather_flattened"
+    if axis != 0:
+        _rules.fail(E.UnsupportedError, f"{I}: only axis=0 (the flattened free dims of each "
+                    f"partition) is implemented, got axis={axis}")
+    if not indices.dtype.is_int:
+        _rules.fail(E.DtypeLegalityError, f"{I}: indices must be an integer tile, got "
+                    f"{indices.dtype.name}")
+    if indices.shape[0] != data.shape[0]:
+        _rules.fail(E.ShapeMismatchError, f"{I}: data {tuple(data.shape)} and indices "
+                    f"{tuple(indices.shape)} must span the same partitions")
+    out = _result(indices.shape, dtype or data.dtype, sbuf)
+    _isa_common._issue(I, "gpsimd", 150 + indices.free_size, [data, indices], [out])
+    src = _isa_common._flat(data)
+    idx = _isa_common._flat(indices).astype(np.int64)
+    if idx.size and (idx.min() < 0 or idx.max() >= src.shape[1]):
+        _rules.fail(E.IndexOutOfBoundsError, f"{I}: index out of range [0, {src.shape[1]}) of "
+                    f"data {tuple(data.shape)}")
+    _isa_common._put(out, np.take_along_axis(_isa_common._f32(data).reshape(src.shape), idx, 1)
+                     if data.dtype.is_float else np.take_along_axis(src, idx, 1))
+    return out
+
+
 def load_transpose2d(src, dtype=None):
     """Load a 2-D HBM tensor into SBUF transposed (a DMA transpose)."""
     if src.ndim != 2:
@@ -646,7 +672,7 @@ def _derivative(x, first, finish, dtype):
     return out
 
 
-_MISSING = {"atomic_rmw", "all_reduce", "loop_reduce", "gather_flattened", "static_assert",
+_MISSING = {"atomic_rmw", "all_reduce", "loop_reduce", "static_assert",
             "dropout_", "random", "invert_", "prelu"}
 
 

@@ -58,3 +58,18 @@ def test_bf16_conversions_are_exact():
     stored = bfloat16.from_real(a)
     np.testing.assert_array_equal(stored, a.astype(np.float32))
     np.testing.assert_array_equal(bfloat16.to_real(stored).view(np.uint16), a.view(np.uint16))
+
+
+def test_gather_flattened_picks_within_each_partition():
+    @nki.jit
+    def k(data, idx):
+        out = nl.ndarray(idx.shape, dtype=data.dtype, buffer=nl.shared_hbm)
+        nl.store(out, nl.gather_flattened(nl.load(data), nl.load(idx)))
+        return out
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal((128, 4, 64)).astype(np.float32)
+    idx = rng.integers(0, 256, size=(128, 100)).astype(np.int32)
+    want = np.take_along_axis(data.reshape(128, 256), idx, 1)
+    np.testing.assert_array_equal(k(data, idx), want)
+    with pytest.raises(nki.errors.IndexOutOfBoundsError, match="gather_flattened"):
+        k(data, np.full((128, 4), 256, np.int32))
