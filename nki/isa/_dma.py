@@ -20,14 +20,28 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
                     f"different numbers of elements")
     if dst_rmw_op is not None and getattr(dst_rmw_op, "name", None) != "add":
         _rules.fail(E.NkiRuleError, f"{I}: dst_rmw_op supports only nl.add")
+    src_ind, dst_ind = getattr(src, "_indirect", None), getattr(dst, "_indirect", None)
+    for ind, what in ((src_ind, "src"), (dst_ind, "dst")):
+        if ind is not None and ind[2].any() and oob_mode == type(oob_mode).error:
+            bad = ind[1][ind[2]].reshape(-1)[0]
+            _rules.fail(E.IndexOutOfBoundsError, f"{I}: indirect {what} offset reaches element "
+                        f"{bad} of an HBM tensor of {ind[0].size} (oob_mode=error; oob_mode.skip "
+                        f"skips such rows)")
     _ctx.current().dma(I, dst, src)
     v = src.v if src.shape == dst.shape else src.v.reshape(dst.shape)
+    keep = dst.v.copy() if src_ind is not None and src_ind[2].any() else None
     if dst_rmw_op is not None:
         _put(dst, dst.v.astype(np.float32) + v.astype(np.float32))
     elif dst.dtype == src.dtype:
         dst.v[...] = v
     else:
         _put(dst, v)
+    if keep is not None:          # skipped (out-of-range) rows leave dst as it was
+        skip = src_ind[2].reshape(dst.shape)
+        dst.v[skip] = keep[skip]
+    if dst_ind is not None:       # scatter: the addressed elements of the HBM tensor
+        base, flat, oob = dst_ind
+        base[flat[~oob]] = dst.v[~oob]
 
 
 def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,

@@ -98,7 +98,7 @@ def _bounds(a: np.ndarray):
 class NkiTensor:
     """A view of an NKI buffer: ``shape``, ``dtype``, ``buffer`` as in AWS's NKI."""
 
-    __slots__ = ("buf", "v", "shape", "pstart", "_box", "_matmul")
+    __slots__ = ("buf", "v", "shape", "pstart", "_box", "_matmul", "_indirect")
 
     def __init__(self, buf: Buffer, view: np.ndarray):
         self.buf, self.v, self.shape = buf, view, view.shape
@@ -177,9 +177,18 @@ class NkiTensor:
         partitions for an on-chip tensor (its stride a multiple of the allocation's
         partition pitch), ``offset`` elements added to this view's start. A view that writes
         through, like indexing."""
-        if scalar_offset is not None or vector_offset is not None:
-            raise E.UnsupportedError("NkiTensor.ap: indirect access patterns (scalar_offset, "
-                                     "vector_offset) are not implemented in this simulator")
+        if scalar_offset is not None and vector_offset is not None:
+            rules.fail(E.NkiRuleError, "ap: scalar_offset and vector_offset are mutually exclusive")
+        if (scalar_offset is not None or vector_offset is not None) and self.kind != "hbm":
+            rules.fail(E.MemoryLegalityError, f"ap: indirect access indexes an HBM tensor; "
+                       f"{self.name!r} lives in {self.kind.upper()}")
+        if scalar_offset is not None:
+            # One runtime offset for all partitions: indirect_dim starts scalar_offset further on.
+            s_off = scalar_offset.value if hasattr(scalar_offset, "value") and \
+                not isinstance(scalar_offset, NkiTensor) else int(np.asarray(scalar_offset.v).flat[0])
+            offset = (offset or 0) + int(s_off) * int(pattern[indirect_dim][0])
+        if vector_offset is not None:
+            return self._indirect_view(pattern, offset or 0, vector_offset, indirect_dim)
         if dtype is not None and getattr(dtype, "name", dtype) != self.dtype.name and dtype != self.dtype:
             raise E.UnsupportedError("NkiTensor.ap: reinterpreting the storage as another dtype is "
                                      "not implemented in this simulator")
@@ -223,6 +232,33 @@ class NkiTensor:
         v = np.lib.stride_tricks.as_strided(first[origin // item:], shape=tuple(n for _, n in pat),
                                             strides=tuple(byte_strides))
         return NkiTensor(self.buf, v)
+
+    def _indirect_view(self, pattern, offset, vector_offset, dim):
+        """Per-partition runtime offsets (``vector_offset`` [P, 1]): index i of pattern dim
+        ``dim`` becomes vector_offset[i]. The result holds the addressed elements (gathered
+        now); a DMA writing it scatters them back (``nisa.dma_copy``), and out-of-range
+        offsets are the DMA's ``oob_mode`` to judge."""
+        pat = [(int(st), int(n)) for st, n in pattern]
+        idx = np.asarray(vector_offset.v).reshape(-1).astype(np.int64)
+        if not 0 <= dim < len(pat) or pat[dim][1] != idx.size:
+            rules.fail(E.ShapeMismatchError, f"ap: indirect_dim {dim} of pattern {pattern} must count "
+                       f"the {idx.size} offsets of vector_offset {tuple(vector_offset.shape)}")
+        base = self.buf.data.reshape(-1)
+        start = (self.v.__array_interface__["data"][0] - self.buf.ptr) // base.itemsize + offset
+        flat = np.full([n for _, n in pat], start, dtype=np.int64)
+        for k, (st, n) in enumerate(pat):
+            steps = idx if k == dim else np.arange(n, dtype=np.int64)
+            shape = [1] * len(pat)
+            shape[k] = n
+            flat += (steps * st).reshape(shape)
+        oob = (flat < 0) | (flat >= base.size)
+        v = np.zeros(flat.shape, dtype=base.dtype)
+        v[~oob] = base[flat[~oob]]
+        t = NkiTensor(self.buf, v)
+        t._indirect = (base, flat, oob)
+        # Dependencies: the whole tensor (the rows are only known at run time).
+        t._box = NkiTensor(self.buf, self.buf.data).box()
+        return t
 
     def box(self):
         """Region this view touches, for dependency tracking: (space, bounds tuple)."""
