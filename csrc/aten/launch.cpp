@@ -446,7 +446,8 @@ bool try_launch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
     if (!p.isDouble() || p.toDouble() != 0.0) return false;
   }
 
-  const int64_t flags = cost_flags(schema, stack->data() + base, n);
+  // Decided per op once (the plan), not by a name search on every launch.
+  const int64_t flags = plan.cost_flags ? cost_flags(schema, stack->data() + base, n) : -1;
   Args a;
   a.key.push_back(reinterpret_cast<int64_t>(&schema));
   for (size_t i = 0; i < n && a.ok; ++i) a.value((*stack)[base + i], plan.has_tensor_input);

@@ -27,6 +27,7 @@ struct Plan {
   int dim_arg = -1;
   std::optional<c10::OperatorHandle> part;  // kForeach: the op applied to each list index
   int dropout_arg = -1;  // a seeded op that is deterministic when this argument is 0
+  bool cost_flags = false;  // records flags beyond its shapes for the cost model (attention)
 };
 
 // The op's plan, made on first use and never freed.

@@ -94,6 +94,7 @@ std::optional<c10::OperatorHandle> find_part(const c10::FunctionSchema& s) {
 Plan make_plan(const c10::OperatorHandle& op) {
   Plan p;
   const auto& s = op.schema();
+  p.cost_flags = s.name().find("attention") != std::string::npos;
   if (s.name().rfind("aten::", 0) != 0) return p;
   if (op.hasTag(at::Tag::dynamic_output_shape) || op.hasTag(at::Tag::data_dependent_output) ||
       op.hasTag(at::Tag::inplace_view)) {

@@ -26,8 +26,8 @@ def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     # A broadcast operand (autograd's gradient of a sum) has zero strides, which the kernel's
     # operand checks refuse: give it memory of its own first.
     mat_a, mat_b = (t.contiguous() if 0 in t.stride() else t for t in (mat_a, mat_b))
-    # CPU's kernel reads the group offsets on the host, as PyTorch's generic one does.
-    torch.neuron.synchronize(dev)
+    # CPU's kernel reads the group offsets on the host, as PyTorch's generic one does
+    # (_cpu_alias waits for the queued work on the device first).
     host = [_C._cpu_alias(t) if t is not None else None for t in (mat_a, mat_b, offs, bias)]
     out = torch._grouped_mm(*host[:2], host[2], host[3], out_dtype)
     seconds, flops = nkilib_routes.grouped_mm_seconds(tuple(mat_a.shape), tuple(mat_b.shape),

@@ -222,7 +222,6 @@ def flex_seconds(kind, B, H, sq, skv, d, dtype, fraction):
 def _on_cpu(op, *args, **kwargs):
     """CPU's kernel for a call the NKI-lib kernels do not cover (execution mode only)."""
     dev = next(a.device for a in args if isinstance(a, torch.Tensor))
-    torch.neuron.synchronize(dev)
     conv = [(_C._cpu_alias(a) if isinstance(a, torch.Tensor) and a.device.type == "neuron" else a)
             for a in args]
     kw = {k: (_C._cpu_alias(v) if isinstance(v, torch.Tensor) and v.device.type == "neuron" else v)

@@ -125,13 +125,7 @@ def _packed_unit(c, t0, r):
         xv = rt.rows_view(x, n, s0, s1)
         nisa.tensor_tensor(dst=xv, data1=xv, data2=rt.per_row(mean, s0, s1), op=nl.subtract, engine=eng)
     yield 1
-    sq = nl.ndarray((n, rt.W), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=sq, op=nl.square, data=x, scale=1.0 / L ** 0.5)
-    rstd = nl.ndarray((n, rt.k), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=rstd, op=nl.add, data=rt.rows_view(sq, n, 0, rt.k), axis=2)
-    del sq
-    nisa.tensor_scalar(dst=rstd, data=rstd, op0=nl.add, operand0=c.eps, op1=nl.power, operand1=-0.5)
-    rstd = rt.factors(rstd, x.dtype)
+    rstd = _u.packed_rstd(rt, x, n, 1.0 / L ** 0.5, c.eps)
     yield 1
     for s0, s1, eng in parts:
         xv = rt.rows_view(x, n, s0, s1)

@@ -138,6 +138,18 @@ class RowTiling:
                                               (0, kv, nisa.vector_engine)) if s0 < s1]
 
 
+def packed_rstd(rt, x, n, scale, eps):
+    """1 / sqrt(mean(x^2) + eps) of each packed row of x (k rows per partition), as the
+    per-row factors ``rt.factors`` lays out; ``scale`` is 1 / sqrt(row length)."""
+    sq = nl.ndarray((n, rt.W), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=sq, op=nl.square, data=x, scale=scale)
+    ss = nl.ndarray((n, rt.k), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=ss, op=nl.add, data=rt.rows_view(sq, n, 0, rt.k), axis=2)
+    del sq
+    nisa.tensor_scalar(dst=ss, data=ss, op0=nl.add, operand0=eps, op1=nl.power, operand1=-0.5)
+    return rt.factors(ss, x.dtype)
+
+
 def dma_pieces(n_tiles):
     """DMAs per tile load or store: with few tiles, one DMA per tile would leave most of the
     16 queues idle, so a tile moves in up to four pieces (each costs a fixed ~0.6 us)."""

@@ -89,13 +89,7 @@ def _packed_unit(c, t0, r):
     x = nl.ndarray((n, rt.W), dtype=c.x2d.dtype, buffer=nl.sbuf)
     rt.load(x, c.x2d, t0, r, c.k)
     yield _u.AHEAD
-    sq = nl.ndarray((n, rt.W), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=sq, op=nl.square, data=x, scale=c.scale)
-    ss = nl.ndarray((n, rt.k), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=ss, op=nl.add, data=rt.rows_view(sq, n, 0, rt.k), axis=2)
-    del sq
-    nisa.tensor_scalar(dst=ss, data=ss, op0=nl.add, operand0=c.eps, op1=nl.power, operand1=-0.5)
-    ss = rt.factors(ss, x.dtype)
+    ss = _u.packed_rstd(rt, x, n, c.scale, c.eps)
     yield 1
     # GpSimd and VectorE each scale and apply gamma to their own rows: no waits between them
     for s0, s1, eng in rt.split(c.frac):
