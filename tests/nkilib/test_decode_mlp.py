@@ -158,9 +158,8 @@ def _hbm_bytes_per_ns(target):
 @pytest.mark.parametrize("target", ["trn2", "trn3"])
 def test_attention_tkg_is_bandwidth_bound(target):
     """Modelled latency within 3x of (KV bytes) / (one core's HBM share), growing with the
-    context about as fast as the bytes do. A paged cache on trn2 too: its blocks are read one
-    DMA each (the simulator has no indirect DMA), so on trn3, whose HBM is 1.7x faster while
-    a DMA's fixed cost is not, it stays at about a quarter of the HBM rate."""
+    context about as fast as the bytes do. A paged cache on trn2 too (one indirect DMA per
+    fold; its folds are shorter, so it reaches about 40% of the HBM rate)."""
     lat = {}
     for S in (4096, 8192):
         args, _ = _decode_inputs(4, 16, 2, 4, 128, [S] * 4, "bfloat16", "contig", False)

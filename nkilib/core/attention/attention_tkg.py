@@ -36,10 +36,11 @@ stay busy while the engines work on earlier folds. Modelled latency is KV bytes 
 plus a fixed ~20 us (the last fold's chain of engine hand-offs): 78% of that rate at 8K
 tokens x 8 kv heads on trn2.
 
-The lengths and block ids are runtime data: they are read into registers, which set the
-loops' extents (the simulator runs such dynamic loops as Python loops). A paged cache is
-read one DMA per block: this simulator has no indirect (vector-offset) DMA, so each block
-pays a DMA's fixed cost, and a 16 KiB block moves at about half the HBM rate on trn2.
+The lengths are runtime data: they are read into registers, which set the loops' extents
+(the simulator runs such dynamic loops as Python loops). A paged fold is one indirect DMA
+per K and V: the fold's block ids are loaded from the block table into SBUF and address
+the cache's first dim (``.ap(vector_offset=...)``), so a fold of many small blocks pays
+one DMA's fixed cost, not one per block.
 """
 from __future__ import annotations
 
@@ -248,12 +249,6 @@ def _setup(c):
     c.qT = nl.ndarray((c.d, B * c.H * c.sa), dtype=c.dt, buffer=nl.sbuf)
     w = c.H * c.sa
     nisa.dma_copy(dst=c.qT, src=c.q.ap([[w, c.d], [c.d * w, B], [1, w]], offset=0))
-    if c.paged:
-        nb = min(B, P)
-        c.tab = nl.ndarray((nb, -(-B // P), c.table.shape[1]), dtype=c.table.dtype, buffer=nl.sbuf)
-        for g in range(0, B, P):
-            nisa.dma_copy(dst=c.tab[0:min(P, B - g), g // P, :], src=c.table[g:min(B, g + P), :])
-        c.reg = nisa.register_alloc(0)
     if not c.vllm:      # key j of the active tokens is visible to query i iff j <= i
         m = nl.ndarray((c.sa, c.R), dtype=nl.float32, buffer=nl.sbuf)
         nisa.iota(dst=m, pattern=[[0, c.G], [-1, c.sa]], offset=0, channel_multiplier=1)
@@ -341,15 +336,22 @@ def _issue(c, ld, what):
             nisa.dma_copy(dst=ld.v, src=c.v_act[b, ld.h0])
         return
     w = n * c.hg * d
-    if ld.kind == "paged":      # one DMA per block, its id read from the table into a register
+    if ld.kind == "paged":      # one indirect DMA: the fold's blocks at their table ids
         t = nl.ndarray((np_, w), dtype=dt, buffer=nl.sbuf)
         setattr(ld, what, t)
+        nb = np_ // c.split
+        if getattr(ld, "ids", None) is None:    # the fold's block ids, shared by K and V
+            ld.ids = nl.ndarray((nb, 1), dtype=c.table.dtype, buffer=nl.sbuf)
+            row = c.table.shape[1]
+            nisa.dma_copy(dst=ld.ids, src=c.table.ap([[1, nb], [1, 1]],
+                                                     offset=b * row + ld.c0 // c.split))
         cache = c.kp if what == "k" else c.vp
-        for j in range(np_ // c.split):
-            blk = (ld.c0 // c.split) + j
-            nisa.register_load(c.reg, c.tab[b % P:b % P + 1, b // P, blk:blk + 1])
-            src = cache[c.reg, :, ld.h0:ld.h0 + c.hg, :] if cache.ndim == 4 else cache[c.reg]
-            nisa.dma_copy(dst=t[j * c.split:(j + 1) * c.split, :], src=src)
+        hk = c.Hkv
+        # Block ids index dim 0; each block's bs tokens land on `split` partitions, n each,
+        # the fold's heads h0 .. h0 + hg of every token.
+        src = cache.ap([[c.bs * hk * d, nb], [n * hk * d, c.split], [hk * d, n], [d, c.hg], [1, d]],
+                       offset=ld.h0 * d, vector_offset=ld.ids, indirect_dim=0)
+        nisa.dma_copy(dst=t, src=src)
         return
     # contiguous: the fold's tokens [t0, t0 + np * n), of which [t0, S) exist
     t0, S, h = ld.c0 * n, c.S, ld.h0
