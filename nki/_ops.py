@@ -124,7 +124,10 @@ UNARY = {
     "logical_not": Op("logical_not", "act", lambda x: (x == 0).astype(np.float32)),
     "invert": Op("invert", "bitvec1", np.invert),
 }
-ALL = {**BINARY, **UNARY}
+# Parametric ReLU: its negative slope is the instruction's relu_param (activate2), so it is an
+# operator of the activation instructions, not a function of one tile.
+PRELU = Op("prelu", "act", lambda x, alpha: np.where(x >= 0, x, np.float32(alpha) * x))
+ALL = {**BINARY, **UNARY, "prelu": PRELU}
 
 
 def apply_binary(op: Op, a, b):

@@ -287,6 +287,15 @@ for _name, _op in _ops.UNARY.items():
     _op._call = _unary
     globals()[_name] = _op
 del _name, _op
+prelu = _ops.PRELU
+
+
+def _prelu_call(op, *args, **kwargs):
+    raise TypeError("nki.language.prelu is an activation operator (its slope is relu_param): pass "
+                    "it as op= of nisa.activate2, not as a function")
+
+
+prelu._call = _prelu_call
 
 
 def sum(x, axis=None, dtype=None, keepdims=False, **kwargs):  # noqa: A001
@@ -673,7 +682,7 @@ def _derivative(x, first, finish, dtype):
 
 
 _MISSING = {"atomic_rmw", "all_reduce", "loop_reduce", "static_assert",
-            "dropout_", "random", "invert_", "prelu"}
+            "dropout_", "random", "invert_"}
 
 
 # Names AWS's kernel library uses that would shadow Python builtins inside this module.

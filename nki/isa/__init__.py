@@ -25,6 +25,7 @@ from ._gpsimd import (  # noqa: F401
     select_reduce,
     sequence_bounds,
     set_rng_seed,
+    topk,
 )
 from ._registers import VirtualRegister, register_alloc, register_load, register_move, register_store  # noqa: F401
 from ._scalar_engine import activate2, activation, activation_reduce  # noqa: F401

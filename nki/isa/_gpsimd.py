@@ -229,6 +229,41 @@ def nc_n_gather(dst, data, indices, name=None):
     dst.v[...] = np.take_along_axis(_flat(data), idx, axis=1).reshape(dst.shape)
 
 
+def topk(val_dst, idx_dst, src, n, name=None):
+    """The K largest of the n bf16 elements of each 16-partition snake (element s at partition
+    s % 16, column s // 16 of the group), on GpSimd: K = val_dst's free size; every partition
+    of the group receives the group's K values in ascending order (val_dst, bf16) and their
+    snake positions (idx_dst, uint32). Among equal values the lower position is taken first."""
+    I = "topk"
+    _T(val_dst, "val_dst", I), _T(idx_dst, "idx_dst", I), _T(src, "src", I)
+    for t, w in ((src, "src"), (val_dst, "val_dst"), (idx_dst, "idx_dst")):
+        if t.kind != "sbuf":
+            _rules.fail(E.MemoryLegalityError, f"{I}: {w} must be in SBUF, got {t.kind.upper()}")
+    if src.dtype.name != "bfloat16" or val_dst.dtype.name != "bfloat16":
+        _rules.fail(E.DtypeLegalityError, f"{I}: src and val_dst must be bfloat16, got "
+                    f"{src.dtype.name} and {val_dst.dtype.name}")
+    if idx_dst.dtype.name != "uint32":
+        _rules.fail(E.DtypeLegalityError, f"{I}: idx_dst must be uint32, got {idx_dst.dtype.name}")
+    P, K, n = src.shape[0], val_dst.free_size, int(n)
+    if P % 16 or val_dst.shape[0] != P or tuple(idx_dst.shape) != tuple(val_dst.shape):
+        _rules.fail(E.ShapeMismatchError, f"{I}: the partition count ({P}) must be a multiple of 16, "
+                    f"and val_dst {tuple(val_dst.shape)} / idx_dst {tuple(idx_dst.shape)} [{P}, K] alike")
+    if not 8 <= n < 65536 or not 1 <= K < 32768 or K > n:
+        _rules.fail(E.NkiRuleError, f"{I}: needs 8 <= n < 65536 and 1 <= K <= n (K < 32768); got n={n}, "
+                    f"K={K}")
+    if src.free_size < -(-n // 16):
+        _rules.fail(E.ShapeMismatchError, f"{I}: src {tuple(src.shape)} holds {src.free_size} columns; a "
+                    f"snake of {n} elements needs {-(-n // 16)}")
+    _issue(I, "gpsimd", 4 * n + K, [src], [val_dst, idx_dst])
+    x = _f32(src)
+    groups = x.reshape(P // 16, 16, -1).transpose(0, 2, 1).reshape(P // 16, -1)[:, :n]
+    # Descending by value, ascending by position among equals; the top K, then ascending.
+    order = np.argsort(-groups, axis=1, kind="stable")[:, :K][:, ::-1]
+    vals = np.take_along_axis(groups, order, axis=1)
+    _put(val_dst, np.repeat(vals, 16, axis=0))
+    idx_dst.v[...] = np.repeat(order, 16, axis=0).astype(np.uint32).reshape(idx_dst.shape)
+
+
 def sequence_bounds(dst, segment_ids, name=None):
     """For each element of a (1, n) tile of segment ids, the [start, end) of its run of equal
     ids: dst (1, 2, n) holds the starts then the ends; id 0 is padding (start n, end -1)."""

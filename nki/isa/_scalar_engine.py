@@ -19,6 +19,9 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
     _T(dst, "dst", I), _T(data, "data", I)
     _rules.same_elems(I, dst, data)
     f = _op(op, I, ("act", "arith"))
+    if f.name == "prelu":
+        _rules.fail(E.NkiRuleError, f"{I}: nl.prelu takes its slope from relu_param, which "
+                    f"activation has not: use nisa.activate2 (NeuronCore-v4)")
     sim = _ctx.current()
     sc = _operand(scale, data, I, "scale")
     bi = _operand(bias, data, I, "bias")
@@ -108,7 +111,7 @@ def activate2(dst, op, data, imm0, imm1, op0, op1, relu_param=0.0, reverse0=Fals
         _rules.fail(E.DtypeLegalityError, f"{I}: tensor imm0 ({imm0.dtype.name}) and imm1 ({imm1.dtype.name}) "
                     f"must share a dtype")
     i0, i1 = _operand(imm0, data, I, "imm0"), _operand(imm1, data, I, "imm1")
-    _operand(relu_param, data, I, "relu_param")     # only parametrised activations (prelu) read it
+    alpha = _operand(relu_param, data, I, "relu_param")     # only prelu reads it
     cmd = type(reduce_cmd)
     reducing = reduce_cmd in (cmd.reduce, cmd.reset_reduce)
     rn = _name(reduce_op) if reduce_op is not None else None
@@ -128,7 +131,10 @@ def activate2(dst, op, data, imm0, imm1, op0, op1, relu_param=0.0, reverse0=Fals
             x = _ops.apply_binary(_op(op0, I), *((i0, x) if reverse0 else (x, i0)))
         if n1 != "bypass":
             x = _ops.apply_binary(_op(op1, I), *((i1, x) if reverse1 else (x, i1)))
-        y = _ops.apply_unary(f, x) if f.kind == "act" else _ops.apply_binary(f, x, np.float32(0))
+        if f.name == "prelu":
+            y = f.fn(x, alpha).astype(np.float32)
+        else:
+            y = _ops.apply_unary(f, x) if f.kind == "act" else _ops.apply_binary(f, x, np.float32(0))
         regs = _a2_registers(sim, rn, reduce_cmd, y)
     if reduce_res is not None:
         _put(reduce_res, regs if regs is not None else np.zeros((data.shape[0], 1), np.float32))
