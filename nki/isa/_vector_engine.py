@@ -31,6 +31,23 @@ def _tt_cycles(N, tensors):
     return max(_mi(), 2 * N)
 
 
+def _perf_cycles(eng, N, src, dst):
+    """Copy and tensor-scalar cycles with the engines' performance modes (AWS's Trainium2 and
+    Trainium3 architecture guides): from NeuronCore-v3, VectorE runs them 4x when input and
+    output are 16-bit floats in SBUF with a contiguous innermost dim, 2x when the dim is not
+    contiguous or one side is in PSUM; NeuronCore-v4's ScalarE runs 16-bit ones 2x."""
+    half = all(t.dtype.itemsize == 2 and t.dtype.is_float for t in (src, dst))
+    target = _ctx.current().profile.nki_target
+    k = 1
+    if half and eng == "vector" and target != "gen2":
+        contig = all(t.v.ndim == 0 or t.v.strides[-1] == t.v.itemsize for t in (src, dst))
+        psum = sum(t.kind == "psum" for t in (src, dst))
+        k = 4 if contig and not psum else 2 if (psum == 1 and contig) or (not psum) else 1
+    elif half and eng == "scalar" and target == "gen4":
+        k = 2
+    return max(_mi(), -(-N // k))
+
+
 def _check_bitvec(I, op, tensors):
     if op.kind == "bitvec" and not all(t.dtype.is_int for t in tensors):
         _rules.fail(E.DtypeLegalityError, f"{I}: bitvec operator {op.name} needs integer dtypes, got "
@@ -101,7 +118,8 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
         _rules.fail(E.NkiRuleError, f"{I}: bitvec operators run on VectorE only")
     o0, o1 = _operand(operand0, data, I, "operand0"), _operand(operand1, data, I, "operand1")
     reads = [data] + [t for t in (operand0, operand1) if isinstance(t, NkiTensor)]
-    _issue(I, eng, max(_mi(), data.free_size), reads, [dst])
+    cycles = max(_mi(), data.free_size) if f0.kind == "bitvec" else _perf_cycles(eng, data.free_size, data, dst)
+    _issue(I, eng, cycles, reads, [dst])
     if f0.kind == "bitvec":
         x = _flat(data).astype(np.int64)
         o0 = np.asarray(o0).astype(np.int64)
@@ -190,7 +208,7 @@ def tensor_copy(dst, src, engine=engine.unknown, name=None):
     if eng == "scalar" and _ctx.current().profile.nki_target == "gen2":
         _rules.fail(E.NkiRuleError, f"{I}: ScalarE tensor_copy is not supported on NeuronCore-v2 "
                     f"(use nisa.activation with op=nl.copy)")
-    _issue(I, eng, max(_mi(), src.free_size), [src], [dst])
+    _issue(I, eng, _perf_cycles(eng, src.free_size, src, dst), [src], [dst])
     if dst.dtype == src.dtype:
         v = src.v
         dst.v[...] = v if v.shape == dst.shape else v.reshape(dst.shape)
