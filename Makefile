@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.torchneuron-installed
-DEPS := torch==2.13.0 numpy ml_dtypes tqdm pytest pytest-xdist pytest-timeout hypothesis expecttest pyarrow pandas==3.1.1 matplotlib==3.11.2 ninja setuptools wheel transformers==5.24.0 accelerate==1.15.0 peft==0.21.2 diffusers==0.42.1
+DEPS := torch==2.13.0 numpy ml_dtypes tqdm pytest pytest-xdist pytest-timeout hypothesis expecttest pyarrow pandas==3.1.1 matplotlib==3.11.2 ninja setuptools wheel transformers==5.24.0 accelerate==1.15.0 peft==0.21.2 diffusers==0.42.1 torchao==0.18.0
 
 .PHONY: setup build demo test test-hta test-torchtitan bench architecture clean
 

@@ -20,7 +20,8 @@ class ChipProfile:
     physical_cores: int            # NeuronCores per chip
     hbm_bytes: int                 # per chip
     hbm_bandwidth: float           # bytes/s per chip
-    # Dense TFLOPS per physical core by dtype name ("bfloat16", "float8", "float32", ...).
+    # Dense TFLOPS per physical core by dtype name ("bfloat16", "float8", "float32", ...);
+    # "mx" is the MXFP8/MXFP4 block-scaled matmul rate, absent on chips without one.
     core_tflops: dict = field(default_factory=dict)
     # Engine clocks in Hz.
     tensor_clock: float = 2.4e9

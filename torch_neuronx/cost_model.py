@@ -6,7 +6,8 @@ the hardware profile:
 
 - TensorE ops (matmul, convolution, attention): systolic-array cycles. One ``nc_matmul``
   instruction takes a <=128x128 stationary tile and streams a <=512-wide moving tile, costing
-  max(64, N) cycles (x4 for fp32, scaled by the profile's TFLOPS ratio for fp8).
+  max(64, N) cycles (x4 for fp32, scaled by the profile's TFLOPS ratio for fp8; scaled
+  matmuls at the chip's FP8 or MX rate, ``scaled_matmul_seconds``).
 - Other ops: elements over the vector (or, for transcendentals, scalar) engine's lanes.
 - Every op: HBM bytes over the logical core's bandwidth; time = launch + max(compute, HBM).
 - Host copies: bytes over the host link.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -37,8 +39,9 @@ _SCALAR_ENGINE = {"exp", "exp_", "log", "log_", "tanh", "tanh_", "sigmoid", "sig
                   "rsqrt", "sqrt", "sin", "cos", "pow", "log1p", "expm1", "softplus",
                   "tanh_backward", "sigmoid_backward", "_foreach_sqrt", "_foreach_exp"}
 _DTYPES = {getattr(torch, n): n for n in ("float32", "bfloat16", "float16", "float64",
-                                           "float8_e4m3fn", "float8_e5m2", "int8", "int32",
-                                           "int64", "bool", "uint8", "int16")}
+                                           "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                           "float8_e5m2fnuz", "int8", "int32", "int64", "bool",
+                                           "uint8", "int16")}
 
 
 def _dtype_from_code(code: int) -> torch.dtype:
@@ -135,15 +138,55 @@ def kernel_latency_ns(p) -> float:
 
 
 def _tensore_seconds(p, dims, dtype: torch.dtype, lnc: int) -> float:
+    name = _DTYPES.get(dtype, "float32")
+    key = "float8" if name.startswith("float8") else name
+    return _systolic_seconds(p, dims, p.core_tflops.get(key, p.core_tflops["float32"]), lnc)
+
+
+def _systolic_seconds(p, dims, tflops: float, lnc: int) -> float:
+    """TensorE time of a (batch, M, K, N) matmul at a dtype's dense rate (``tflops`` per
+    physical core): the instruction count is the BF16 tiling, each instruction shortened by
+    the rate's ratio to BF16's."""
     batch, m, k, n = dims
     per_instr = max(p.min_ii_cycles, min(n, p.gemm_moving_fmax))
     instrs = math.ceil(k / p.pe_rows) * math.ceil(m / p.pe_cols) * math.ceil(n / p.gemm_moving_fmax)
-    cycles = batch * instrs * per_instr
-    name = _DTYPES.get(dtype, "float32")
-    key = "float8" if name.startswith("float8") else name
-    rate = p.core_tflops.get(key, p.core_tflops["float32"])
-    cycles *= p.core_tflops["bfloat16"] / rate
+    cycles = batch * instrs * per_instr * p.core_tflops["bfloat16"] / tflops
     return cycles / p.tensor_clock / lnc
+
+
+# Chips already warned that they have no MX matmul path (warned once per process and chip).
+_mx_warned: set = set()
+
+
+def scaled_matmul_rate(p, kind: str) -> float:
+    """Dense TFLOPS per physical core that a scaled matmul runs at: ``kind`` "float8"
+    (tensorwise, rowwise or blockwise FP8 scales: the chip's FP8 rate) or "mx" (MXFP8/MXFP4
+    with E8M0 block scales: the chip's MX rate). A chip without MX matmuls (Trainium1/2)
+    dequantizes MX operands to BF16 first: charged at the BF16 rate, with a one-time warning."""
+    if kind == "float8":
+        return p.core_tflops["float8"]
+    if kind != "mx":
+        raise ValueError(f"scaled_matmul_rate: kind must be 'float8' or 'mx', got {kind!r}")
+    rate = p.core_tflops.get("mx")
+    if rate is not None:
+        return rate
+    if p.name not in _mx_warned:
+        _mx_warned.add(p.name)
+        warnings.warn(f"{p.chip} ({p.name}) has no MX matmul path (MXFP8/MXFP4 matmuls are "
+                      f"Trainium3's): the cost model charges MX scaled matmuls at the BF16 rate "
+                      f"({p.core_tflops['bfloat16']:g} TFLOPS per core); results are unchanged",
+                      stacklevel=3)
+    return p.core_tflops["bfloat16"]
+
+
+def scaled_matmul_seconds(p, lnc: int, dims, kind: str, hbm_bytes: int) -> tuple:
+    """(seconds, flops) of one scaled-matmul launch of (batch, M, K, N) ``dims``: launch and
+    kernel latency, then the longer of the TensorE work at ``scaled_matmul_rate`` and the HBM
+    traffic (operands, scales, bias and result)."""
+    compute = _systolic_seconds(p, dims, scaled_matmul_rate(p, kind), lnc)
+    hbm = hbm_bytes / p.core_hbm_bandwidth(lnc)
+    seconds = (p.launch_overhead_ns + kernel_latency_ns(p)) * 1e-9 + max(compute, hbm)
+    return seconds, 2.0 * math.prod(dims)
 
 
 @dataclass

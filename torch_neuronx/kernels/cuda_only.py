@@ -26,8 +26,6 @@ _PHILOX = ("CUDA's counter-based Philox generator; neuron's generator is CPU's M
            "Twister (torch.neuron.manual_seed), use torch.rand/randn with it")
 _INT4 = ("the CUDA tinygemm int4 weight layout; on neuron pack with "
          "_convert_weight_to_int4pack_for_cpu and call _weight_int4pack_mm_for_cpu, or use TorchAO")
-_SCALED_GROUPED = ("FP8 grouped GEMM (CUTLASS); use torch._grouped_mm on dequantized "
-                   "operands until neuron's FP8 grouped GEMM lands")
 
 # op (name.overload) -> None when a kernel below serves it, else the reason it has none.
 _OPS: dict[str, str | None] = {
@@ -60,8 +58,8 @@ _OPS: dict[str, str | None] = {
     _fill_mem_eff_dropout_mask_ _triton_multi_head_attention""".split()},
     **{k: _PHILOX for k in "_philox_key_split _philox_key_fold_in _philox_normal_ _philox_uniform_".split()},
     **{k: _INT4 for k in "_convert_weight_to_int4pack _weight_int4pack_mm".split()},
-    **{k: _SCALED_GROUPED for k in "_scaled_grouped_mm _scaled_grouped_mm_v2".split()},
     **{k: None for k in """
+    _scaled_grouped_mm _scaled_grouped_mm_v2
     _fused_dropout _masked_scale baddbmm.dtype baddbmm.dtype_out bmm.dtype bmm.dtype_out
     mm.dtype mm.dtype_out addmm.dtype addmm.dtype_out _fused_rms_norm_backward
     batch_norm_stats batch_norm_elemt batch_norm_elemt.out batch_norm_gather_stats

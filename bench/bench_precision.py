@@ -1,0 +1,224 @@
+"""Low-precision matmuls on neuron, measured in the same process as their peers.
+
+Each measurement alternates the two sides (paired) and reports median times and the median
+per-pair ratio, so machine noise hits both alike:
+
+* FP8 tensorwise ``torch._scaled_mm`` on neuron against CPU's ``torch._scaled_mm``
+  (neuron runs CPU's kernel on the device tensors' memory: target <= 1.1x);
+* blockwise (1x128 x 128x128) and MX (MXFP8, MXFP4) ``_scaled_mm`` on neuron, which CPU does
+  not have, against a BF16 matmul of the same shape on neuron (target <= 3x host time; at
+  512^3, since a BF16 matmul on a host without BF16 instructions takes seconds at 1024^3),
+  and against an FP32 one for scale;
+* the modelled trn2/trn3 time of each, from the cost model.
+* a TorchAO float8 training step (tensorwise, rowwise) against the bf16 step, host time and
+  modelled trn2 time, eager and compiled (``bench_torchao``).
+
+Run: .venv/bin/python bench/bench_precision.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch.nn.functional import ScalingType as S, SwizzleType as W
+from torch.testing._internal.common_quantized import to_blocked, to_mxfp
+
+import neuronhw
+import torch_neuronx
+from torch_neuronx import cost_model
+
+DEV = "neuron"
+
+
+def _time(fn, reps):
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps
+
+
+def paired(make_ref, make_dev, pairs, reps):
+    """Median of per-pair (device time / reference time) and the median times."""
+    ref_fn, dev_fn = make_ref(), make_dev()
+    ref_fn(), dev_fn()  # warm-up
+    ratios, tr, td = [], [], []
+    for _ in range(pairs):
+        r = _time(ref_fn, reps)
+        d = _time(dev_fn, reps)
+        ratios.append(d / r)
+        tr.append(r)
+        td.append(d)
+    return statistics.median(ratios), statistics.median(tr), statistics.median(td)
+
+
+def _done(dev):
+    # Device work is asynchronous: a measurement ends when the device is idle.
+    return torch.neuron.synchronize if dev == DEV else (lambda: None)
+
+
+def _report(rows, header):
+    print(f"{'benchmark':<58}{header[0]:>12}{header[1]:>12}{'ratio':>8}  target")
+    for name, r, d, ratio, target in rows:
+        print(f"{name:<58}{r * 1e3:>9.2f} ms{d * 1e3:>9.2f} ms{ratio:>8.3f}  {target}")
+
+
+def _fp8_operands(m, k, n, dev):
+    a = torch.randn(m, k).to(torch.float8_e4m3fn).to(dev)
+    b = torch.randn(n, k).to(torch.float8_e4m3fn).to(dev).t()
+    return a, b
+
+
+def tensorwise_vs_cpu(pairs, size):
+    """FP8 tensorwise _scaled_mm: neuron against CPU."""
+    def make(dev):
+        a, b = _fp8_operands(size, size, size, dev)
+        one = torch.tensor(1.0, device=dev)
+        sync = _done(dev)
+        return lambda: (torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), sync())
+    r, c, d = paired(lambda: make("cpu"), lambda: make(DEV), pairs, 5)
+    return [(f"_scaled_mm tensorwise e4m3 {size}^3 -> bf16 vs CPU", c, d, r, "<= 1.1")]
+
+
+def _mm(size, dtype):
+    a = torch.randn(size, size, device=DEV, dtype=dtype)
+    b = torch.randn(size, size, device=DEV, dtype=dtype)
+    return lambda: (torch.mm(a, b), torch.neuron.synchronize())
+
+
+def _blockwise(size):
+    a, b = _fp8_operands(size, size, size, DEV)
+    kb = size // 128
+    sa = (torch.rand(kb, size) + 0.5).t().to(DEV)          # 1x128, outer-dim-major
+    sb = (torch.rand(kb, kb) + 0.5).t().to(DEV)            # 128x128 for (K, N), column-major
+    return lambda: (torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16), torch.neuron.synchronize())
+
+
+def _mx(size, fmt):
+    x, w = torch.randn(size, size), torch.randn(size, size)
+    if fmt == "mxfp4":
+        x, w = x.bfloat16(), w.bfloat16()
+    sa, qa = to_mxfp(x, format=fmt)
+    sb, qb = to_mxfp(w, format=fmt)
+    qa, qb = qa.to(DEV), qb.to(DEV).t()
+    bsa, bsb = to_blocked(sa).to(DEV), to_blocked(sb).to(DEV)
+
+    def run():
+        F.scaled_mm(qa, qb, bsa, S.BlockWise1x32, bsb, S.BlockWise1x32,
+                    swizzle_a=W.SWIZZLE_32_4_4, swizzle_b=W.SWIZZLE_32_4_4)
+        torch.neuron.synchronize()
+    return run
+
+
+def blockwise_and_mx_vs_bf16(pairs, size):
+    """Blockwise and MX _scaled_mm on neuron against a BF16 matmul on neuron (the target) and
+    an FP32 one (for scale: this host's BF16 matmul is far slower than its FP32 one)."""
+    rows = []
+    cases = {"blockwise 1x128 x 128x128 e4m3": lambda: _blockwise(size),
+             "MXFP8 e4m3 (E8M0 per 32, swizzled)": lambda: _mx(size, "mxfp8"),
+             "MXFP4 e2m1 (E8M0 per 32, swizzled)": lambda: _mx(size, "mxfp4")}
+    for name, make in cases.items():
+        r, c, d = paired(lambda: _mm(size, torch.bfloat16), make, pairs, 1)
+        rows.append((f"{name} {size}^3 vs bf16 mm", c, d, r, "<= 3"))
+        r, c, d = paired(lambda: _mm(size, torch.float32), make, pairs, 3)
+        rows.append((f"{name} {size}^3 vs fp32 mm", c, d, r, "(for scale)"))
+    return rows
+
+
+def modelled(size):
+    """Modelled time of one call on each chip, per kind, against BF16 (ratios < 1 are gains)."""
+    dims = (1, size, size, size)
+    print(f"\nmodelled TensorE time of one {size}^3 matmul (lnc=2):")
+    print(f"{'chip':<6}{'bf16':>12}{'fp8':>12}{'mx':>12}{'fp8/bf16':>10}{'mx/bf16':>10}")
+    for p in (neuronhw.TRN2, neuronhw.TRN3):
+        nbytes = 3 * size * size
+        bf16, _, _ = cost_model.op_seconds(p, 2, "mm", [(size, size), (size, size)], torch.bfloat16,
+                                           4 * size * size, 2 * size * size)
+        fp8, _ = cost_model.scaled_matmul_seconds(p, 2, dims, "float8", nbytes)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # trn2 has no MX path: charged at BF16, said elsewhere
+            mx, _ = cost_model.scaled_matmul_seconds(p, 2, dims, "mx", nbytes)
+        print(f"{p.name:<6}{bf16 * 1e3:>9.3f} ms{fp8 * 1e3:>9.3f} ms{mx * 1e3:>9.3f} ms"
+              f"{fp8 / bf16:>10.3f}{mx / bf16:>10.3f}")
+
+
+def bench_torchao(pairs, quick):
+    """TorchAO float8 training (tensorwise, rowwise) against the bf16 step, all on neuron:
+    host time (interleaved runs, medians) and the modelled trn2 time of one step, eager and
+    compiled, with the matmuls' share (mm or _scaled_mm) apart from the casts around them."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    d, ffn, tokens = (256, 1024, 512) if quick else (512, 2048, 1024)
+    recipes = (None, "tensorwise", "rowwise")
+
+    def make(recipe, compiled=False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(d, ffn, bias=False), torch.nn.GELU(),
+                                    torch.nn.Linear(ffn, d, bias=False))
+        model = model.to(device=DEV, dtype=torch.bfloat16)
+        if recipe is not None:
+            convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe))
+        run = torch.compile(model, backend="neuron") if compiled else model
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        x = torch.randn(tokens, d, dtype=torch.bfloat16).to(DEV)
+
+        def step():
+            run(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.neuron.synchronize()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torchao's float64 scales: neuron warns once
+            step()  # warm-up (and compilation)
+        return step
+
+    def modelled_step(step):
+        torch_neuronx.reset_modelled_time()
+        step()
+        t = torch_neuronx.modelled_time(reset=True)
+        return t.seconds, t.by_op.get("mm", 0.0) + t.by_op.get("_scaled_mm", 0.0)
+
+    steps = {r: make(r) for r in recipes}
+    host = {r: [] for r in recipes}
+    for _ in range(pairs):  # interleaved, so machine noise hits every recipe alike
+        for r in recipes:
+            t0 = time.perf_counter()
+            steps[r]()
+            host[r].append(time.perf_counter() - t0)
+    ratio = {r: statistics.median(f / b for f, b in zip(host[r], host[None])) for r in recipes}
+    eager = {r: modelled_step(steps[r]) for r in recipes}
+    compiled = {r: modelled_step(make(r, compiled=True)) for r in recipes}
+
+    print(f"\nTorchAO float8 training step vs the bf16 step on neuron (Linear {d}->{ffn}, GELU, "
+          f"Linear {ffn}->{d}; {tokens} tokens; SGD); host: median of {pairs} interleaved runs; "
+          "trn2: modelled step (its matmuls alone in brackets)")
+    print(f"{'recipe':<12}{'host':>11}{'/bf16':>7}{'trn2 eager':>22}{'/bf16':>7}"
+          f"{'trn2 compiled':>22}{'/bf16':>7}")
+    for r in recipes:
+        (e, em), (c, cm) = eager[r], compiled[r]
+        print(f"{r or 'bf16':<12}{statistics.median(host[r]) * 1e3:>8.1f} ms{ratio[r]:>7.2f}"
+              f"{e * 1e6:>9.0f} us ({em * 1e6:>5.0f} us){e / eager[None][0]:>7.2f}"
+              f"{c * 1e6:>9.0f} us ({cm * 1e6:>5.0f} us){c / compiled[None][0]:>7.2f}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    pairs = 3 if args.quick else 7
+    size = 1024
+    print("host time, paired medians:")
+    _report(tensorwise_vs_cpu(pairs, size), ("cpu", "neuron"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # trn2's one-time "no MX matmul path" (modelled below)
+        _report(blockwise_and_mx_vs_bf16(pairs, 512), ("mm", "scaled"))
+    modelled(4096)
+    bench_torchao(min(pairs, 3), args.quick)
+    torch_neuronx.modelled_time(reset=True)
+
+
+if __name__ == "__main__":
+    main()

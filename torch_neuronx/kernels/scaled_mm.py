@@ -1,0 +1,547 @@
+"""``torch._scaled_mm`` and its kin on neuron: FP8 and MX matmuls with their scales.
+
+CPU's ``_scaled_mm`` takes tensorwise and rowwise scales only; CUDA's also takes DeepSeek-style
+blockwise scales (1x128 activations, 128x128 weights) and MX (MXFP8/MXFP4 with E8M0 scales
+per 32 elements, in cuBLAS's swizzled layout), and ``_scaled_grouped_mm`` is CUDA's alone.
+Trainium has FP8 matmuls (and Trainium3 MX ones), so neuron takes CUDA's FP8 and MX forms
+(NVFP4, NVIDIA's own, is refused naming MXFP4; MX grouped GEMMs are not done yet):
+
+* tensorwise and rowwise run CPU's kernel on the device tensors' host memory, so results are
+  bit-identical to CPU;
+* blockwise and MX dequantize each operand to fp32 (value times its block's scale), multiply
+  with fp32 accumulation, add the bias in fp32 and round once to ``out_dtype``;
+* scale shapes, strides and swizzles are checked as CUDA checks them, with CUDA's messages.
+
+Each call is charged as one TensorE kernel at the chip's FP8 or MX rate
+(``cost_model.scaled_matmul_seconds``).
+"""
+from __future__ import annotations
+
+
+import torch
+
+from .. import _C, _state, cost_model
+
+_lib = torch.library.Library("aten", "IMPL")
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+_FP4 = torch.float4_e2m1fn_x2
+_E8M0 = torch.float8_e8m0fnu
+# ScalingType / SwizzleType values (torch.nn.functional.ScalingType, SwizzleType).
+_TW, _RW, _B1x16, _B1x32, _B1x128, _B128x128 = range(6)
+_NO_SWIZZLE, _SWIZZLE_32_4_4 = 0, 1
+# float4_e2m1fn_x2 codes 0..15 (sign bit 3); two per byte, the even element in the low nibble.
+_FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                            -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+# Both elements of every byte, so unpacking is one gather.
+_FP4_PAIRS = torch.stack((_FP4_VALUES.repeat(16), _FP4_VALUES.repeat_interleave(16)), 1)
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _round_up(a, b):
+    return _cdiv(a, b) * b
+
+
+def _is_fp8(t):
+    return t.dtype in _FP8
+
+
+# --- CUDA's scale recognisers (ScaledBlas.cpp), for _scaled_mm, which infers the recipe ---
+def _size_stride(s, dim, size, stride):
+    return s.size(dim) == size and (size <= 1 or s.stride(dim) == stride)
+
+
+def _tensorwise(t, s):
+    return _is_fp8(t) and s.dtype == torch.float32 and s.numel() == 1
+
+
+def _rowwise(t, s):
+    return (_is_fp8(t) and s.dtype == torch.float32 and s.dim() == 2 and s.size(0) == t.size(0)
+            and s.size(1) == 1 and s.is_contiguous())
+
+
+def _block1x128(t, s):
+    return (_is_fp8(t) and s.dtype == torch.float32 and s.dim() == 2
+            and _size_stride(s, 0, t.size(0), 1) and _size_stride(s, 1, _cdiv(t.size(1), 128), t.size(0)))
+
+
+def _block128x128(t, s):
+    return (_is_fp8(t) and s.dtype == torch.float32 and s.dim() == 2
+            and _size_stride(s, 0, _cdiv(t.size(0), 128), _cdiv(t.size(1), 128))
+            and _size_stride(s, 1, _cdiv(t.size(1), 128), 1))
+
+
+def _mx_elems(rows, k):
+    return _round_up(rows, 128) * _round_up(_cdiv(k, 32), 4)
+
+
+def _block1x32(t, s):
+    k = t.size(1) * (2 if t.dtype == _FP4 else 1)
+    return ((_is_fp8(t) or t.dtype == _FP4) and s.dtype == _E8M0
+            and s.numel() == _mx_elems(t.size(0), k) and s.is_contiguous())
+
+
+def _block1x16(t, s):
+    return (t.dtype == _FP4 and s.dtype == torch.float8_e4m3fn and s.is_contiguous()
+            and s.numel() == _round_up(t.size(0), 128) * _round_up(_cdiv(t.size(1) * 2, 16), 4))
+
+
+_RECOGNISE = {_TW: _tensorwise, _RW: _rowwise, _B1x128: _block1x128, _B128x128: _block128x128,
+              _B1x32: _block1x32, _B1x16: _block1x16}
+_JOINT = ((_TW, _TW), (_RW, _RW), (_B128x128, _B1x128), (_B1x128, _B128x128), (_B1x128, _B1x128),
+          (_B1x32, _B1x32), (_B1x16, _B1x16))
+
+
+def _fmt(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def _invalid_config(a, b, sa, sb, names=("a", "scale_a", "b", "scale_b")):
+    m, k, n = a.size(0), a.size(1), b.size(1)
+    na, nsa, nb, nsb = names
+    return (
+        "Invalid scaling configuration.\n"
+        "- For TensorWise scaling, a and b should be float8, scales should be float and singletons.\n"
+        f"- For RowWise scaling, a and b should be float8, scales should be float, scale_a should be ({m}, 1) "
+        f"and scale_b should be (1, {n}), and both should be contiguous.\n"
+        f"- For BlockWise 1x128 scaling, a and b should be float8, scales should be float, scale_a should be "
+        f"({m}, {_cdiv(k, 128)}) and scale_b should be ({_cdiv(b.size(0), 128)}, {n}), and both should be "
+        "outer-dim-major.\n"
+        f"- For BlockWise 128x128 scaling, a and b should be float8, scales should be float, scale_a should be "
+        f"({_cdiv(m, 128)}, {_cdiv(k, 128)}) and scale_b should be ({_cdiv(b.size(0), 128)}, {_cdiv(n, 128)}), "
+        "and both should be near-inner-dim-major (with 16-byte aligned strides).\n"
+        f"- For Blockwise 1x32 scaling, a and b should be float8, scales should be float8_e8m0fnu, scale_a "
+        f"should have {_mx_elems(m, k)} elements and scale_b should have {_mx_elems(n, b.size(0))} elements, "
+        "and both should be contiguous.\n"
+        f"- For Blockwise 1x16 scaling, a and b should be float4 (packed 2x), scales should be float8_e4m3fn, "
+        f"scale_a should have {_round_up(m, 128) * _round_up(_cdiv(k * 2, 16), 4)} elements and scale_b should "
+        f"have {_round_up(n, 128) * _round_up(_cdiv(b.size(0) * 2, 16), 4)} elements, and both should be "
+        "contiguous.\n"
+        f"Got {na}.dtype()={_fmt(a.dtype)}, {nsa}.dtype()={_fmt(sa.dtype)}, {nsa}.size()={list(sa.shape)}, "
+        f"{nsa}.stride()={list(sa.stride())}, {nb}.dtype()={_fmt(b.dtype)}, {nsb}.dtype()={_fmt(sb.dtype)}, "
+        f"{nsb}.size()={list(sb.shape)} and {nsb}.stride()={list(sb.stride())}")
+
+
+def _joint_scaling(a, b, sa, sb):
+    for ra, rb in _JOINT:
+        swizzled = rb in (_B1x16, _B1x32)
+        if _RECOGNISE[ra](a, sa) and _RECOGNISE[rb](b.t(), sb if swizzled else sb.t()):
+            return ra, rb
+    raise RuntimeError(_invalid_config(a, b, sa, sb))
+
+
+# --- dequantization on host tensors ---
+def _fp4_to_float(t, dim):
+    """Unpacks float4_e2m1fn_x2 along ``dim`` (twice as long) into fp32."""
+    pairs = _FP4_PAIRS[t.view(torch.uint8).long()]         # (..., 2): low nibble, high nibble
+    return pairs.movedim(-1, dim + 1).flatten(dim, dim + 1)
+
+
+def _to_float(t, k_dim):
+    return _fp4_to_float(t, k_dim) if t.dtype == _FP4 else t.float()
+
+
+def _scale_blocks(x, s, br, bc):
+    """Multiplies fp32 ``x`` (R, C) in place by ``s`` (ceil(R/br), ceil(C/bc)), one scale per
+    br x bc block."""
+    r, c = x.shape
+    s = s.float()
+    if r % br == 0 and c % bc == 0:
+        x.view(r // br, br, c // bc, bc).mul_(s[:, None, :, None])
+    else:
+        x.mul_(s.repeat_interleave(br, 0)[:r].repeat_interleave(bc, 1)[:, :c])
+    return x
+
+
+def _unswizzle(s, rows, kblocks):
+    """cuBLAS's 128x4-tiled (32x4x4) E8M0 scale layout, flattened, back to (rows, kblocks):
+    the inverse of ``torch.testing._internal.common_quantized.to_blocked``."""
+    nrb, ncb = _cdiv(rows, 128), _cdiv(kblocks, 4)
+    tiles = s.reshape(nrb, ncb, 32, 4, 4).permute(0, 3, 2, 1, 4)
+    return tiles.reshape(nrb * 128, ncb * 4)[:rows, :kblocks]
+
+
+def _dequantized_mm(a, b, sa, sb, ra, rb, bias, out_dtype):
+    """Blockwise and MX: (M, K) x (K, N) with scales normalised to (blocks of A along M, along
+    K) and (blocks of B along K, along N); fp32 accumulation, bias in fp32, one rounding."""
+    blocks = {_B1x128: (1, 128), _B128x128: (128, 128), _B1x32: (1, 32)}
+    af = _scale_blocks(_to_float(a, 1), sa, *blocks[ra])
+    bf = _scale_blocks(_to_float(b, 0), sb, *reversed(blocks[rb]))
+    out = torch.mm(af, bf)
+    if bias is not None:
+        out += bias.float()
+    return out.to(out_dtype)
+
+
+# --- checks shared by the entries ---
+def _index(dev):
+    return dev.index if dev.index is not None else torch.neuron.current_device()
+
+
+def _same_device(op, dev, **tensors):
+    for name, t in tensors.items():
+        for x in (t if isinstance(t, (list, tuple)) else [t]):
+            if x is not None and x.device != dev:
+                raise RuntimeError(f"aten::{op}: expected all tensors to be on {dev}, but {name} is on "
+                                   f"{x.device}")
+
+
+def _check_bias(bias, out_dtype, n, exc=RuntimeError):
+    if bias is None:
+        return
+    if bias.numel() != n:
+        raise exc(f"Bias must be size {n} but got {bias.numel()}")
+    if out_dtype == torch.float32:
+        raise exc("Bias is not supported when out_dtype is set to Float32")
+    if bias.dtype not in (torch.bfloat16, torch.float16):
+        raise exc(f"Bias must be BFloat16 or Half, but got {_scalar_name(bias.dtype)}")
+    if out_dtype == torch.bfloat16 and bias.dtype != torch.bfloat16:
+        raise exc(f"Bias must be BFloat16 to compute BFloat16 output, but got {_scalar_name(bias.dtype)}")
+    if out_dtype == torch.float16 and bias.dtype != torch.float16:
+        raise exc(f"Bias must be Float16 to compute Half output, but got {_scalar_name(bias.dtype)}")
+
+
+def _scalar_name(dtype):
+    return {torch.bfloat16: "BFloat16", torch.float16: "Half", torch.float32: "Float"}.get(dtype, _fmt(dtype))
+
+
+def _check_out_dtype(op, out_dtype, ra):
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        kind = "MX" if ra == _B1x32 else "blockwise"
+        raise ValueError(f"aten::{op}: {kind} scaling on neuron produces bfloat16, float16 or float32, got "
+                         f"out_dtype={out_dtype}")
+
+
+def _nvfp4(op):
+    return NotImplementedError(
+        f"aten::{op}: NVFP4 (float4_e2m1fn_x2 with float8_e4m3fn scales per 16 elements) is NVIDIA's "
+        "format and Trainium has no matmul for it; use MXFP4 (float8_e8m0fnu scales per 32 elements, "
+        "BlockWise1x32), which Trainium3 runs natively")
+
+
+def _charge(dev, op, a, b, scales, bias, out, kind, batch=1):
+    cfg = _state.config()
+    k = a.size(-1) * (2 if a.dtype == _FP4 else 1)
+    dims = (batch, a.size(-2) if a.dim() == 3 else a.size(0), k, out.size(-1))
+    nbytes = a.nbytes + b.nbytes + out.nbytes + sum(s.nbytes for s in scales)
+    nbytes += bias.nbytes if bias is not None else 0
+    seconds, flops = cost_model.scaled_matmul_seconds(cfg.profile, cfg.lnc, dims, kind, nbytes)
+    cost_model._add_time(dev, op, seconds, engine="tensor", flops=flops, hbm_bytes=nbytes)
+
+
+def _adopt(out, dev):
+    return _C._adopt_tensor(out, _index(dev))
+
+
+def _host(*ts):
+    return [_C._cpu_alias(t) if t is not None else None for t in ts]
+
+
+# --- torch._scaled_mm ---
+def _scaled_mm(self, mat2, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None,
+               use_fast_accum=False):
+    op = "_scaled_mm"
+    dev = self.device
+    _same_device(op, dev, mat2=mat2, scale_a=scale_a, scale_b=scale_b, bias=bias, scale_result=scale_result)
+    if self.dim() != 2:
+        raise RuntimeError("mat1 must be a matrix")
+    if mat2.dim() != 2:
+        raise RuntimeError("mat2 must be a matrix")
+    if self.size(1) != mat2.size(0):
+        raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({self.size(0)}x{self.size(1)} and "
+                           f"{mat2.size(0)}x{mat2.size(1)})")
+    ra, rb = _joint_scaling(self, mat2, scale_a, scale_b)
+    if ra in (_TW, _RW):
+        host = _host(self, mat2, scale_a, scale_b, bias, scale_result)
+        out = torch._scaled_mm(*host[:4], bias=host[4], scale_result=host[5], out_dtype=out_dtype,
+                               use_fast_accum=use_fast_accum)
+        _charge(dev, op, self, mat2, (scale_a, scale_b), bias, out, "float8")
+        return _adopt(out, dev)
+    if ra == _B1x16:
+        raise _nvfp4(op)
+    out_dtype = out_dtype if out_dtype is not None else self.dtype
+    if use_fast_accum and _FP4 in (self.dtype, mat2.dtype):
+        raise RuntimeError("`use_fast_accum` is not supported when `mat1` or `mat2` tensors have the "
+                           "`Float4_e2m1fn_x2` dtype.")
+    _check_bias(bias, out_dtype, mat2.size(1))
+    _check_out_dtype(op, out_dtype, ra)
+    return _blocked(op, dev, self, mat2, scale_a, scale_b, ra, rb, bias, out_dtype, v2=False)
+
+
+def _blocked(op, dev, a, b, scale_a, scale_b, ra, rb, bias, out_dtype, v2):
+    """The blockwise and MX forms, scales as the entry (``v2`` or not) lays them out."""
+    m, n = a.size(0), b.size(1)
+    k = a.size(1) * (2 if a.dtype == _FP4 else 1)
+    kb = _cdiv(k, 128)
+    ha, hb, sa, sb, hbias = _host(a, b, scale_a, scale_b, bias)
+    if ra == _B1x32:
+        sa = _unswizzle(sa, m, _cdiv(k, 32))
+        sb = _unswizzle(sb, n, _cdiv(k, 32)).t()
+    else:
+        if v2 and ra == _B128x128:   # (round_up(K/128, 4), M/128), K-block major
+            sa = sa[:kb].t()
+        if v2 and rb == _B1x128:     # (N, K/128), one row of scales per column of B
+            sb = sb.t()
+        if v2 and rb == _B128x128:   # (round_up(K/128, 4), N/128)
+            sb = sb[:kb]
+    if m == 0 or n == 0 or k == 0:
+        out = torch.zeros(m, n, dtype=out_dtype)
+    else:
+        out = _dequantized_mm(ha, hb, sa, sb, ra, rb, hbias, out_dtype)
+    _charge(dev, op, a, b, (scale_a, scale_b), bias, out, "mx" if ra == _B1x32 else "float8")
+    return _adopt(out, dev)
+
+
+def _into(out, value):
+    if out.dtype != value.dtype:
+        raise RuntimeError("out_dtype must match output matrix type")
+    if out.shape != value.shape:
+        out.resize_(value.shape)
+    return out.copy_(value)
+
+
+def _scaled_mm_out(self, mat2, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None,
+                   use_fast_accum=False, *, out):
+    if out_dtype is not None and out_dtype != out.dtype:
+        raise RuntimeError("out_dtype must match output matrix type")
+    r = _scaled_mm(self, mat2, scale_a, scale_b, bias, scale_result, out.dtype, use_fast_accum)
+    return _into(out, r)
+
+
+# --- torch._scaled_mm_v2 (torch.nn.functional.scaled_mm): recipes given explicitly ---
+def _v2_recipe(a, b, sa, ra, sb, rb):
+    """The implementation CUDA's dispatch table picks, or None."""
+    if len(ra) == 1 and len(rb) == 1:
+        pair, s0, s1 = (ra[0], rb[0]), sa[0], sb[0]
+        fp32 = s0.dtype == torch.float32 and s1.dtype == torch.float32
+        if pair in ((_TW, _TW), (_RW, _RW), (_B1x128, _B128x128), (_B128x128, _B1x128), (_B1x128, _B1x128)):
+            return pair if fp32 and _is_fp8(a) and _is_fp8(b) else None
+        if pair == (_B1x32, _B1x32) and s0.dtype == _E8M0 and s1.dtype == _E8M0:
+            ok = (_is_fp8(a) and _is_fp8(b)) or (a.dtype == _FP4 and b.dtype == _FP4)
+            return pair if ok else None
+        if pair == (_B1x16, _B1x16) and a.dtype == _FP4:
+            return pair
+    if len(ra) == 2 and len(rb) == 2 and (ra[0], rb[0]) == (_B1x16, _B1x16) and a.dtype == _FP4:
+        return _B1x16, _B1x16
+    return None
+
+
+def _check_v2_blockwise(a, b, sa, sb, ra, rb):
+    m, k, n = a.size(0), a.size(1), b.size(1)
+    kb, l4 = _cdiv(k, 128), _round_up(_cdiv(k, 128), 4)
+
+    def rows_of(s, rows, stride_name, name):
+        if not (s.size(0) == rows and s.size(1) == kb):
+            raise ValueError(f"{name} must have shape {rows} x {kb} Float elements, got {list(s.shape)}")
+        if not (s.stride(0) == 1 and (s.stride(1) == rows or (s.size(1) == 1 and s.stride(1) == 1))):
+            raise ValueError(f"{name} {stride_name}(1, {rows}); got {list(s.stride())}")
+
+    def tiles_of(s, rows, name):
+        if not (s.size(0) == l4 and s.size(1) == _cdiv(rows, 128)):
+            raise ValueError(f"{name} must have shape {l4} x {_cdiv(rows, 128)} Float elements, got "
+                             f"{list(s.shape)}")
+        if not (s.stride(0) == 1 and (s.stride(1) == l4 or (s.size(1) == 1 and s.stride(1) == 1))):
+            raise ValueError(f"{name} must have strides (1, {l4}); got {list(s.stride())}")
+
+    if ra == _B1x128:
+        rows_of(sa, m, "strides must be " if rb == _B1x128 else "must have strides ", "scale_a")
+    else:
+        tiles_of(sa, m, "scale_a")
+    if rb == _B1x128:
+        rows_of(sb, n, "strides must be " if ra == _B1x128 else "must have strides ", "scale_b")
+    else:
+        tiles_of(sb, n, "scale_b")
+
+
+def _check_v2_mx(a, b, sa, sb, swa, swb):
+    k = a.size(1) * (2 if a.dtype == _FP4 else 1)
+    for name, sw in (("swizzle_a", swa), ("swizzle_b", swb)):
+        if len(sw) != 1:
+            raise ValueError(f"{name} must have 1 value, got {len(sw)}")
+    ea, eb = _mx_elems(a.size(0), k), _mx_elems(b.size(1), k)
+    if sa.numel() != ea:
+        raise ValueError(f"For Blockwise scaling scale_a should have {ea} elements, got: {sa.numel()}")
+    if sb.numel() != eb:
+        raise ValueError(f"For Blockwise scaling scale_b should have {eb} elements, got: {sb.numel()}")
+    if swa[0] != _SWIZZLE_32_4_4:
+        raise ValueError("scale_a must be swizzled to SWIZZLE_32_4_4 format")
+    if swb[0] != _SWIZZLE_32_4_4:
+        raise ValueError("scale_b must be swizzled to SWIZZLE_32_4_4 format")
+    if not (sa.is_contiguous() and sb.is_contiguous()):
+        raise ValueError("For Blockwise scaling both scales should be contiguous")
+
+
+def _scaled_mm_v2(self, mat2, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b, bias,
+                  out_dtype, contraction_dim=(), use_fast_accum=False):
+    op = "_scaled_mm_v2"
+    dev = self.device
+    _same_device(op, dev, mat2=mat2, scale_a=scale_a, scale_b=scale_b, bias=bias)
+    if self.dim() != 2 or mat2.dim() != 2:
+        raise RuntimeError(f"Inputs must be 2D but got self.dim()={self.dim()} and mat2.dim()={mat2.dim()}")
+    for t, name in ((self, "mat_a"), (mat2, "mat_b")):
+        if not (_is_fp8(t) or t.dtype == _FP4):
+            raise ValueError(f"Expected {name} to be Float8 or Float4_x2 matrix got {_fmt(t.dtype)}")
+    recipe = _v2_recipe(self, mat2, scale_a, recipe_a, scale_b, recipe_b)
+    if recipe is None:
+        raise ValueError(_invalid_config(self, mat2, scale_a[0], scale_b[0],
+                                         ("mat_a", "scale_a[0]", "mat_b", "scale_b[0]")))
+    ra, rb = recipe
+    if ra in (_TW, _RW):
+        ha, hb, hbias = _host(self, mat2, bias)
+        out = torch.ops.aten._scaled_mm_v2(ha, hb, _host(*scale_a), recipe_a, swizzle_a, _host(*scale_b),
+                                           recipe_b, swizzle_b, hbias, out_dtype, contraction_dim,
+                                           use_fast_accum)
+        _charge(dev, op, self, mat2, scale_a + scale_b, bias, out, "float8")
+        return _adopt(out, dev)
+    if ra == _B1x16:
+        raise _nvfp4(op)
+    out_dtype = out_dtype if out_dtype is not None else self.dtype
+    if use_fast_accum and _FP4 in (self.dtype, mat2.dtype):
+        raise ValueError("`use_fast_accum` is not supported when `mat_a` or `mat_b` tensors have the "
+                         "`Float4_e2m1fn_x2` dtype.")
+    _check_bias(bias, out_dtype, mat2.size(1), ValueError)
+    _check_out_dtype(op, out_dtype, ra)
+    if ra == _B1x32:
+        _check_v2_mx(self, mat2, scale_a[0], scale_b[0], list(swizzle_a), list(swizzle_b))
+    else:
+        _check_v2_blockwise(self, mat2, scale_a[0], scale_b[0], ra, rb)
+    return _blocked(op, dev, self, mat2, scale_a[0], scale_b[0], ra, rb, bias, out_dtype, v2=True)
+
+
+def _scaled_mm_v2_out(self, mat2, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b, bias,
+                      out_dtype, contraction_dim=(), use_fast_accum=False, *, out):
+    r = _scaled_mm_v2(self, mat2, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b, bias,
+                      out_dtype if out_dtype is not None else out.dtype, contraction_dim, use_fast_accum)
+    return _into(out, r)
+
+
+_lib.impl("_scaled_mm", _scaled_mm, "PrivateUse1")
+_lib.impl("_scaled_mm.out", _scaled_mm_out, "PrivateUse1")
+_lib.impl("_scaled_mm_v2", _scaled_mm_v2, "PrivateUse1")
+_lib.impl("_scaled_mm_v2.out", _scaled_mm_v2_out, "PrivateUse1")
+
+
+# --- torch._scaled_grouped_mm and _v2 (scaled_grouped_mm): FP8 grouped GEMM, rowwise, for MoE ---
+def _meta(t):
+    return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def _scaled_grouped_mm(self, mat2, scale_a, scale_b, offs=None, bias=None, scale_result=None,
+                       out_dtype=None, use_fast_accum=False):
+    op = "_scaled_grouped_mm"
+    dev = self.device
+    _same_device(op, dev, mat2=mat2, scale_a=scale_a, scale_b=scale_b, offs=offs, bias=bias,
+                 scale_result=scale_result)
+    # PyTorch's meta function carries CUDA's checks (Blas.cpp) with CUDA's messages.
+    torch.ops.aten._scaled_grouped_mm(*map(_meta, (self, mat2, scale_a, scale_b, offs, bias, scale_result)),
+                                      out_dtype, use_fast_accum)
+    if scale_a.dtype == _E8M0:
+        raise NotImplementedError(
+            f"aten::{op}: MXFP8 grouped GEMM (float8_e8m0fnu scales) is not implemented on neuron yet; "
+            "use rowwise float32 scales, or torch._scaled_mm per group")
+    out = _rowwise_grouped(self, mat2, scale_a, scale_b, offs, out_dtype or torch.bfloat16)
+    _charge_grouped(dev, op, self, mat2, (scale_a, scale_b), out)
+    return _adopt(out, dev)
+
+
+def _rowwise_grouped(a, b, scale_a, scale_b, offs, out_dtype):
+    """The grouped product on host memory: operands dequantized by their row (A) and column
+    (B) scales, one grouped matmul in fp32, one rounding."""
+    ha, hb, sa, sb, hoffs = _host(a, b, scale_a, scale_b, offs)
+    af, bf = ha.float(), hb.float()
+    if ha.dim() == 2 and hb.dim() == 2:  # K grouped: one scale per row of A and column of B per group
+        g, m, n = hoffs.numel(), ha.size(0), hb.size(1)
+        group = torch.searchsorted(hoffs, torch.arange(ha.size(1), dtype=hoffs.dtype), right=True)
+        group = group.clamp_(max=g - 1)  # columns past the last offset belong to no group
+        af.mul_(sa.view(g, m)[group].t())
+        bf.mul_(sb.view(g, n)[group])
+    else:
+        af.mul_(sa[..., None])
+        bf.mul_(sb[:, None, :] if hb.dim() == 3 else sb[None, :])
+    return torch._grouped_mm(af, bf, hoffs).to(out_dtype)
+
+
+def _check_rowwise_scale(mat, scale, dim, arg, multiplier):
+    """CUDA's checks of rowwise grouped scales (GroupedBlas.cpp), with its messages."""
+    if mat.dim() == 2:
+        if scale.dim() != 1:
+            raise RuntimeError(f"scale must be a 1D tensor, but got {scale.dim()}D, arg {arg}")
+        if not scale.is_contiguous():
+            raise RuntimeError(f"scale must be contiguous for arg {arg}")
+        if scale.size(0) != mat.size(dim) * multiplier:
+            raise RuntimeError(f"scale must have the same length as mat for arg {arg}")
+        return
+    if scale.dim() != 2:
+        raise RuntimeError(f"scale must be a 2D tensor, but got {scale.dim()}D for arg {arg}")
+    if scale.stride(1) != 1:
+        raise RuntimeError(f"scale must be contiguous in the last dimension for arg {arg}")
+    if scale.size(0) != mat.size(0):
+        raise RuntimeError(f"scale must have the same batch dimension as mat for arg {arg}")
+    if scale.size(1) != mat.size(1 + dim):
+        raise RuntimeError(f"scale must have the same first dimension as mat for arg {arg}")
+
+
+def _scaled_grouped_mm_v2(self, mat2, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b,
+                          offs=None, bias=None, out_dtype=None, contraction_dim=(), use_fast_accum=False):
+    op = "_scaled_grouped_mm_v2"
+    dev = self.device
+    _same_device(op, dev, mat2=mat2, scale_a=scale_a, scale_b=scale_b, offs=offs, bias=bias)
+    if self.stride(-1) != 1:
+        raise ValueError("Expected mat1 to not be transposed")
+    if mat2.stride(-2) != 1:
+        raise ValueError("Expected mat2 to be transposed")
+    if self.dim() not in (2, 3):
+        raise ValueError("mat_a has to be 2 or 3d")
+    if mat2.dim() not in (2, 3):
+        raise ValueError("mat_b has to be 2 or 3d")
+    two_d = self.dim() == 2 or mat2.dim() == 2
+    if not (self.dim() == 2 and mat2.dim() == 2) and self.size(-1) != mat2.size(-2):
+        raise ValueError("contraction dimension of mat_a and mat_b must match")
+    if bias is not None:
+        raise ValueError("Bias not supported yet")
+    if (offs is not None) != two_d:
+        raise ValueError("Have to provide offsets if there is a 2d matrix")
+    if offs is not None and offs.dim() != 1:
+        raise ValueError("offs has to be 1D")
+    if offs is not None and offs.dtype != torch.int32:
+        raise ValueError("Offsets have to be int32")
+    out_dtype = out_dtype or torch.bfloat16
+    if out_dtype != torch.bfloat16:
+        raise ValueError("Only bf16 high precision output types are supported for grouped gemm")
+    rowwise = (list(recipe_a) == [_RW] and list(recipe_b) == [_RW] and _is_fp8(self) and _is_fp8(mat2)
+               and scale_a[0].dtype == torch.float32 and scale_b[0].dtype == torch.float32)
+    if not rowwise:
+        if _B1x32 in list(recipe_a):
+            raise NotImplementedError(f"aten::{op}: MX grouped GEMM (BlockWise1x32 scales) is not implemented on "
+                                      "neuron yet; use RowWise scales")
+        raise ValueError("No gemm implementation was found")
+    multiplier = offs.size(0) if self.dim() == 2 and mat2.dim() == 2 else 1
+    _check_rowwise_scale(self, scale_a[0], 0, 0, multiplier)
+    _check_rowwise_scale(mat2, scale_b[0], 1, 1, multiplier)
+    out = _rowwise_grouped(self, mat2, scale_a[0], scale_b[0], offs, out_dtype)
+    _charge_grouped(dev, op, self, mat2, (scale_a[0], scale_b[0]), out)
+    return _adopt(out, dev)
+
+
+def _charge_grouped(dev, op, a, b, scales, out):
+    """One grouped kernel at the FP8 rate: every row of A meets one group's columns."""
+    k = a.size(-1)
+    if a.dim() == 2 and b.dim() == 3:
+        dims = (1, a.size(0), k, b.size(2))
+    elif a.dim() == 3 and b.dim() == 3:
+        dims = (a.size(0), a.size(1), k, b.size(2))
+    elif a.dim() == 3:
+        dims = (1, a.size(1), k, b.size(1))
+    else:
+        dims = (1, a.size(0), k, b.size(1))
+    cfg = _state.config()
+    nbytes = a.nbytes + b.nbytes + out.nbytes + sum(s.nbytes for s in scales)
+    seconds, flops = cost_model.scaled_matmul_seconds(cfg.profile, cfg.lnc, dims, "float8", nbytes)
+    cost_model._add_time(dev, op, seconds, engine="tensor", flops=flops, hbm_bytes=nbytes)
+
+
+_lib.impl("_scaled_grouped_mm", _scaled_grouped_mm, "PrivateUse1")
+_lib.impl("_scaled_grouped_mm_v2", _scaled_grouped_mm_v2, "PrivateUse1")
