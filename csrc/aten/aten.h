@@ -36,6 +36,23 @@ bool add_dtype_policy_op(const std::string& name, const std::string& overload);
 // Ops that had to wait for the device although asynchronous launch was on, by name.
 std::vector<std::pair<std::string, int64_t>> sync_op_counts(bool reset);
 
+// Stochastic rounding (stochastic_rounding.cpp): while on, an op with a bf16/fp16 device
+// tensor (or dtype) among its arguments, and a copy narrowing a float to bf16/fp16 on the
+// device, go to Python hooks that compute in fp32 and round stochastically.
+namespace sr {
+// The hook computes the op on the stack and returns true, or returns false: not its case.
+using OpHook = bool (*)(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+using CopyHook = void (*)(const at::Tensor& src, const at::Tensor& dst);
+bool active();  // on, and not inside a hook on this thread
+bool enabled();
+void set_enabled(bool on);
+void set_hooks(OpHook op, CopyHook copy);
+bool wants(const c10::OperatorHandle& op, const torch::jit::Stack& stack);
+bool handle_op(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+bool narrowing_copy(const at::Tensor& src, const at::Tensor& dst);
+void copy(const at::Tensor& src, const at::Tensor& dst);
+}  // namespace sr
+
 namespace compiled {
 // The most arguments a compiled kernel can take through launch_kernel.
 constexpr size_t kMaxArgs = 512;

@@ -204,6 +204,11 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       return;
     }
   }
+  // Stochastic rounding on: ops producing bf16/fp16 compute in fp32 and round in Python.
+  if (sr::active() && !op.hasTag(at::Tag::inplace_view) && sr::wants(op, *stack) &&
+      sr::handle_op(op, stack)) {
+    return;
+  }
   // In-place view ops (t_, squeeze_) change metadata only: no need to wait for the device.
   std::shared_ptr<void> learning;
   if (!op.hasTag(at::Tag::inplace_view)) {

@@ -89,6 +89,10 @@ constexpr int64_t kSnapshotBytes = 1 << 20;
 
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
   (void)non_blocking;
+  if (sr::narrowing_copy(self, dst)) {  // a cast to bf16/fp16 with stochastic rounding on
+    sr::copy(self, dst);
+    return dst;
+  }
   bool from_dev = self.device().type() == kDevice;
   bool to_dev = dst.device().type() == kDevice;
   at::Tensor src_h = host_side(self, "source");
@@ -207,11 +211,27 @@ at::Tensor adopt_opt(const at::Tensor& t, c10::DeviceIndex d) {
   return t.defined() ? adopt_tensor(t, d) : t;
 }
 
+// With stochastic rounding on, a bf16/fp16 convolution goes to the Python hook, which
+// computes it in fp32 and rounds; nullopt: not its case.
+template <typename... A>
+std::optional<torch::jit::Stack> sr_convolution(const char* name, A&&... args) {
+  if (!sr::active()) return std::nullopt;
+  auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+  torch::jit::Stack stack;
+  (stack.emplace_back(std::forward<A>(args)), ...);
+  if (!sr::wants(op, stack) || !sr::handle_op(op, &stack)) return std::nullopt;
+  return stack;
+}
+
 at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& weight,
                                     const c10::optional<at::Tensor>& bias, c10::IntArrayRef stride,
                                     c10::IntArrayRef padding, c10::IntArrayRef dilation,
                                     bool transposed, c10::IntArrayRef output_padding,
                                     int64_t groups) {
+  if (auto r = sr_convolution("aten::convolution_overrideable", input, weight, bias, stride,
+                              padding, dilation, transposed, output_padding, groups)) {
+    return r->back().toTensor();
+  }
   queue::synchronize_all();
   auto out = at::convolution(cpu_alias(input), cpu_alias(weight), alias_opt(bias), stride,
                              padding, dilation, transposed, output_padding, groups);
@@ -228,6 +248,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
     c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation, bool transposed,
     c10::IntArrayRef output_padding, int64_t groups, std::array<bool, 3> output_mask) {
+  if (auto r = sr_convolution("aten::convolution_backward_overrideable", grad_output, input,
+                              weight, stride, padding, dilation, transposed, output_padding,
+                              groups, output_mask)) {
+    auto& st = *r;
+    return {st[st.size() - 3].toTensor(), st[st.size() - 2].toTensor(), st.back().toTensor()};
+  }
   queue::synchronize_all();
   std::vector<int64_t> bias_sizes{transposed ? weight.size(1) * groups : weight.size(0)};
   auto [gi, gw, gb] = at::convolution_backward(

@@ -94,16 +94,16 @@ std::string describe_site(const neuron::queue::Site& s) {
 // Leaked on purpose: a static py::object would be released after the interpreter is gone.
 PyObject* g_retry_policy = nullptr;
 
-bool dtype_retry(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  if (!Py_IsInitialized()) return false;
-  pybind11::gil_scoped_acquire gil;
-  if (!g_retry_policy) return false;
+// Calls `fn(name, overload, args)` for the op on the stack; None: not its case, else the
+// results replace the arguments.
+bool call_python_op(PyObject* fn, const char* who, const c10::OperatorHandle& op,
+                    torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const size_t n = schema.arguments().size();
   const size_t base = stack->size() - n;
   pybind11::tuple args(n);
   for (size_t i = 0; i < n; ++i) args[i] = torch::jit::toPyObject((*stack)[base + i]);
-  pybind11::object out = pybind11::reinterpret_borrow<pybind11::object>(g_retry_policy)(schema.name(), schema.overload_name(), args);
+  pybind11::object out = pybind11::reinterpret_borrow<pybind11::object>(fn)(schema.name(), schema.overload_name(), args);
   if (out.is_none()) return false;
   const auto& rets = schema.returns();
   std::vector<c10::IValue> results;
@@ -111,13 +111,37 @@ bool dtype_retry(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     results.push_back(torch::jit::toIValue(out, rets[0].type()));
   } else {
     auto seq = out.cast<pybind11::sequence>();
-    TORCH_CHECK(seq.size() == rets.size(), schema.operator_name(), ": the dtype policy returned ",
+    TORCH_CHECK(seq.size() == rets.size(), schema.operator_name(), ": ", who, " returned ",
                 seq.size(), " results, the schema has ", rets.size());
     for (size_t j = 0; j < rets.size(); ++j) results.push_back(torch::jit::toIValue(seq[j], rets[j].type()));
   }
   torch::jit::drop(*stack, n);
   for (auto& r : results) stack->push_back(std::move(r));
   return true;
+}
+
+bool dtype_retry(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  if (!Py_IsInitialized()) return false;
+  pybind11::gil_scoped_acquire gil;
+  if (!g_retry_policy) return false;
+  return call_python_op(g_retry_policy, "the dtype policy", op, stack);
+}
+
+// Stochastic rounding's Python side (torch_neuronx.kernels.stochastic_rounding); leaked
+// as the dtype policy is.
+PyObject* g_sr_op = nullptr;
+PyObject* g_sr_copy = nullptr;
+
+bool sr_op(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  if (!Py_IsInitialized()) return false;
+  pybind11::gil_scoped_acquire gil;
+  if (!g_sr_op) return false;
+  return call_python_op(g_sr_op, "stochastic rounding", op, stack);
+}
+
+void sr_copy(const at::Tensor& src, const at::Tensor& dst) {
+  pybind11::gil_scoped_acquire gil;
+  pybind11::reinterpret_borrow<pybind11::object>(g_sr_copy)(src, dst);
 }
 
 // Backend tensor metadata (torch._utils.set_tensor_metadata / get_tensor_metadata): flags
@@ -274,4 +298,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     neuron::set_dtype_retry(&dtype_retry);
   });
   m.def("_add_dtype_policy_op", &neuron::add_dtype_policy_op);
+  m.def("_set_stochastic_rounding_hooks", [](pybind11::object op, pybind11::object copy) {
+    Py_XDECREF(g_sr_op);
+    Py_XDECREF(g_sr_copy);
+    g_sr_op = op.inc_ref().ptr();
+    g_sr_copy = copy.inc_ref().ptr();
+    neuron::sr::set_hooks(&sr_op, &sr_copy);
+  });
+  m.def("_set_stochastic_rounding", &neuron::sr::set_enabled);
+  m.def("_stochastic_rounding_enabled", &neuron::sr::enabled);
 }

@@ -45,6 +45,17 @@ void update(Stat& s, int64_t delta) {
   if (delta > 0) s.allocated += delta; else s.freed += -delta;
 }
 
+// torch.profiler's memory events (profile_memory=True), reported as CUDA's caching
+// allocator reports them: the change and the device's totals after it.
+void report_usage(void* ptr, int64_t delta, const std::pair<int64_t, int64_t>& totals,
+                  c10::DeviceIndex d) {
+  c10::reportMemoryUsageToProfiler(ptr, delta, size_t(totals.first), size_t(totals.second),
+                                   c10::Device(c10::DeviceType::PrivateUse1, d));
+}
+std::pair<int64_t, int64_t> totals(const DeviceStats& s) {
+  return {s.allocated_bytes[0].current, s.reserved_bytes[0].current};
+}
+
 size_t host_available_bytes() {
   std::ifstream f("/proc/meminfo");
   std::string key; size_t value; std::string unit;
@@ -97,6 +108,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     size_t size = round_size(n);
     if (size == 0) return c10::DataPtr(nullptr, nullptr, &free_block, c10::Device(kDevice, d));
     void* ptr = nullptr;
+    std::pair<int64_t, int64_t> after;
     {
       std::lock_guard<std::mutex> g(mu_);
       auto& st = state_[d];
@@ -114,7 +126,9 @@ class NeuronAllocator final : public c10::DeviceAllocator {
       update(st.stats.requested_bytes[0], n);
       update(st.stats.allocation[0], 1);
       update(st.stats.active[0], 1);
+      after = totals(st.stats);
     }
+    report_usage(ptr, int64_t(size), after, d);
     auto* b = new Block{ptr, size, n, d};
     if (check::enabled()) check::on_alloc(ptr, d);
     return c10::DataPtr(ptr, b, &free_block, c10::Device(kDevice, d));
@@ -183,6 +197,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
   c10::DataPtr adopt(c10::Storage cpu, c10::DeviceIndex d) {
     size_t size = cpu.nbytes();
     void* ptr = cpu.mutable_data();
+    std::pair<int64_t, int64_t> after;
     {
       std::lock_guard<std::mutex> g(mu_);
       auto& st = state_[d];
@@ -198,7 +213,9 @@ class NeuronAllocator final : public c10::DeviceAllocator {
       update(st.stats.requested_bytes[0], size);
       update(st.stats.allocation[0], 1);
       update(st.stats.active[0], 1);
+      after = totals(st.stats);
     }
+    report_usage(ptr, int64_t(size), after, d);
     auto* a = new Adopted{std::move(cpu), size, d};
     if (check::enabled()) check::on_alloc(ptr, d);
     return c10::DataPtr(ptr, a, &free_adopted, c10::Device(kDevice, d));
@@ -228,6 +245,11 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     auto* a = static_cast<Adopted*>(ctx);
     if (check::enabled()) check::on_free(a->storage.data());
     uint64_t seq = queue::busy_until(a->device);
+    // `a` may be reclaimed by another thread once deferred and unlocked: keep what the report needs.
+    void* ptr = a->storage.mutable_data();
+    const int64_t size = int64_t(a->size);
+    const c10::DeviceIndex d = a->device;
+    std::pair<int64_t, int64_t> after;
     {
       auto& self = instance();
       std::lock_guard<std::mutex> g(self.mu_);
@@ -240,17 +262,19 @@ class NeuronAllocator final : public c10::DeviceAllocator {
         update(st.stats.requested_bytes[0], -int64_t(a->size));
         update(st.stats.allocation[0], -1);
         update(st.stats.active[0], -1);
-        return;
+      } else {
+        update(st.stats.reserved_bytes[0], -int64_t(a->size));
+        update(st.stats.segment[0], -1);
+        update(st.stats.allocated_bytes[0], -int64_t(a->size));
+        update(st.stats.active_bytes[0], -int64_t(a->size));
+        update(st.stats.requested_bytes[0], -int64_t(a->size));
+        update(st.stats.allocation[0], -1);
+        update(st.stats.active[0], -1);
       }
-      update(st.stats.reserved_bytes[0], -int64_t(a->size));
-      update(st.stats.segment[0], -1);
-      update(st.stats.allocated_bytes[0], -int64_t(a->size));
-      update(st.stats.active_bytes[0], -int64_t(a->size));
-      update(st.stats.requested_bytes[0], -int64_t(a->size));
-      update(st.stats.allocation[0], -1);
-      update(st.stats.active[0], -1);
+      after = totals(st.stats);
     }
-    delete a;
+    report_usage(ptr, -size, after, d);
+    if (!seq) delete a;
   }
 
   // Stream-ordered reuse, as CUDA's caching allocator does: a block freed while queued work
@@ -258,15 +282,20 @@ class NeuronAllocator final : public c10::DeviceAllocator {
   // either from work launched later (run after that work by the in-order queue) or from the
   // host after waiting for the queue (synchronous ops, copies to the host, direct access).
   void release(Block* b) {
-    std::lock_guard<std::mutex> g(mu_);
-    auto& st = state_[b->device];
-    st.free_blocks[b->size].push_back(b->ptr);
-    st.cached_bytes += b->size;
-    update(st.stats.allocated_bytes[0], -int64_t(b->size));
-    update(st.stats.active_bytes[0], -int64_t(b->size));
-    update(st.stats.requested_bytes[0], -int64_t(b->requested));
-    update(st.stats.allocation[0], -1);
-    update(st.stats.active[0], -1);
+    std::pair<int64_t, int64_t> after;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto& st = state_[b->device];
+      st.free_blocks[b->size].push_back(b->ptr);
+      st.cached_bytes += b->size;
+      update(st.stats.allocated_bytes[0], -int64_t(b->size));
+      update(st.stats.active_bytes[0], -int64_t(b->size));
+      update(st.stats.requested_bytes[0], -int64_t(b->requested));
+      update(st.stats.allocation[0], -1);
+      update(st.stats.active[0], -1);
+      after = totals(st.stats);
+    }
+    report_usage(b->ptr, -int64_t(b->size), after, b->device);
   }
 
   // Adopted buffers whose last users have run are released (in free order).

@@ -12,6 +12,7 @@
 #include <Python.h>
 #include <pthread.h>
 
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 
 #include <atomic>
@@ -48,6 +49,10 @@ struct Item {
   const char* op = nullptr;
   int64_t bytes = 0;
   Site site;
+  trace::Launch traced;
+  // The launching thread's InferenceMode: work queued under torch.inference_mode (vLLM's
+  // steps) writes inference tensors, which only that mode may update in place.
+  bool inference = false;
   std::function<void()> run;
 };
 
@@ -86,7 +91,9 @@ class DeviceQueue {
     uint64_t seq = ++launched_;
     stream_last_[stream] = seq;
     Site site;
-    execute(op, site, run, true);
+    trace::Launch traced;
+    if (trace::on()) traced = trace::on_launch(op, device_, stream);
+    execute(op, site, run, true, traced);
     executed_.fetch_add(1, std::memory_order_relaxed);
     done_.store(seq, std::memory_order_release);
     return true;
@@ -97,7 +104,9 @@ class DeviceQueue {
     it.op = op;
     it.bytes = bytes;
     it.run = std::move(run);
+    it.inference = c10::InferenceMode::is_enabled();
     if (g_capture) it.site = g_capture();
+    if (trace::on()) it.traced = trace::on_launch(op, device_, stream);
     std::unique_lock<std::mutex> lk(mu_);
     if (items_.size() >= kMaxQueued) {
       ++waiters_;
@@ -246,7 +255,7 @@ class DeviceQueue {
     lk.unlock();
     {
       c10::WarningUtils::WarningHandlerGuard guard(&collect_);
-      if (!failed_.load(std::memory_order_relaxed)) execute(it.op, it.site, it.run, false);
+      if (!failed_.load(std::memory_order_relaxed)) run_item(it);
     }
     executed_.fetch_add(1, std::memory_order_relaxed);
     lk.lock();
@@ -292,7 +301,7 @@ class DeviceQueue {
         if (waiters_ && items_.size() < kMaxQueued / 2) room_.notify_all();
       }
       big_.store(it.bytes >= kBigBytes, std::memory_order_relaxed);
-      if (!failed_.load(std::memory_order_relaxed)) execute(it.op, it.site, it.run, false);
+      if (!failed_.load(std::memory_order_relaxed)) run_item(it);
       big_.store(false, std::memory_order_relaxed);
       executed_.fetch_add(1, std::memory_order_relaxed);
       // The work's tensors are released by the host thread (at its next launch or wait):
@@ -314,15 +323,31 @@ class DeviceQueue {
     }
   }
 
+  void run_item(Item& it) {
+    if (it.inference) {
+      c10::InferenceMode guard;
+      execute(it.op, it.site, it.run, false, it.traced);
+    } else {
+      execute(it.op, it.site, it.run, false, it.traced);
+    }
+  }
+
   bool pending_hint() { return queued_.load(std::memory_order_acquire) > 0; }
 
   // Runs one piece of work; an error is kept, with the op and its launch site, for the next
   // wait to raise, and the work queued after it is skipped.
-  void execute(const char* op, Site& site, c10::function_ref<void()> run, bool holding_lock) {
+  void execute(const char* op, Site& site, c10::function_ref<void()> run, bool holding_lock,
+               const trace::Launch& traced) {
     Kind kind;
     std::string what;
     try {
-      run();
+      if (traced.id) {
+        int64_t start = trace::now_ns();
+        run();
+        trace::on_run(traced, start, trace::now_ns());
+      } else {
+        run();
+      }
       return;
     } catch (const c10::Error& e) {
       kind = kind_of(e), what = e.what_without_backtrace();

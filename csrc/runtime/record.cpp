@@ -42,6 +42,7 @@ void commit(Signature& s, const char* name, c10::DeviceIndex d, c10::ScalarType 
   s.key.dtype = static_cast<int8_t>(dtype);
   s.key.stream = current_stream_id(d);
   s.key.epoch = timeline_epoch(d, s.key.stream);
+  if (trace::on()) trace::on_record(s.key, bytes_in, bytes_out);
   std::lock_guard<std::mutex> g(g_record_mu);
   auto& v = g_records[s.key];
   v.count += 1;

@@ -7,6 +7,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <array>
+#include <atomic>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -77,5 +78,22 @@ void set_quiet(bool on);
 // Whether this thread's ops are recorded for the cost model; returns the previous setting.
 bool set_recording(bool on);
 bool quiet();
+
+// The kernel trace a torch.profiler session with the PrivateUse1 activity fills (defined in
+// csrc/profiler, which turns it into Kineto device events). Off, each hook below costs the
+// caller one relaxed load.
+namespace trace {
+extern std::atomic<bool> g_on;
+inline bool on() { return g_on.load(std::memory_order_relaxed); }
+struct Launch {
+  uint64_t id = 0;  // 0: not traced
+};
+int64_t now_ns();
+// From commit(): the op record of the launch that follows (or precedes, for copies).
+void on_record(const RecordKey& key, int64_t bytes_in, int64_t bytes_out);
+// On the launching thread, as work is queued or run inline; then around its execution.
+Launch on_launch(const char* op, c10::DeviceIndex d, int64_t stream);
+void on_run(const Launch& l, int64_t start_ns, int64_t end_ns);
+}  // namespace trace
 
 }  // namespace neuron

@@ -313,3 +313,18 @@ def test_streams_overlap_on_the_modelled_timeline():
     overlapped = _modelled_matmuls(side_waits=False)
     ordered = _modelled_matmuls(side_waits=True)
     assert ordered == pytest.approx(2 * overlapped, rel=1e-6)
+
+
+def test_queued_work_keeps_inference_mode():
+    """Work queued under torch.inference_mode runs in it on the executor (vLLM's steps copy
+    into inference tensors in place), and results equal CPU's."""
+    x = torch.arange(6.0).reshape(2, 3)
+    with torch.inference_mode():
+        y = torch.empty(2, 3, device="neuron")
+        torch.neuron.synchronize()
+        for _ in range(3):          # queued behind each other, not run inline
+            y.copy_(x)
+            y.mul_(2).add_(1)
+        z = y.cpu()
+    assert torch.equal(z, x * 2 + 1)
+    assert z.is_inference()

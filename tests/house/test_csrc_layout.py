@@ -2,7 +2,8 @@
 
 Folders: ``runtime`` (device table, allocator, queues, stream checker, op record) depends on
 nothing else of ours; ``fusion`` (the Adaptive Eager window) on ``runtime``; ``aten`` (base
-kernels, fallback, launch path, autocast) on both; ``python`` (the bindings) on everything.
+kernels, fallback, launch path, autocast) on both; ``profiler`` (the Kineto plugin) on ``runtime``, implementing the trace hooks
+``runtime/record.h`` declares; ``python`` (the bindings) on everything.
 The runtime reaches the fusion window only through the hook the window registers
 (``queue::set_window_closer``), so no file below a folder names a namespace above it.
 """
@@ -18,7 +19,8 @@ ALLOWED = {
     "runtime": set(),
     "fusion": {"runtime"},
     "aten": {"runtime", "fusion"},
-    "python": {"runtime", "fusion", "aten"},
+    "profiler": {"runtime"},
+    "python": {"runtime", "fusion", "aten", "profiler"},
 }
 # Namespaces each folder owns: a lower folder must not call into a higher one's.
 OWNS = {"fusion": ("fusion::",), "aten": ("launch::",)}

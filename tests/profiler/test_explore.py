@@ -77,3 +77,50 @@ def test_report_names_fused_kernel_once_the_chain_is_learned(tmp_path):
         path = _capture(tmp_path, _big_chain)
     names = {k["name"] for k in report(path)["top_kernels"]}
     assert "fused_pointwise" in names and "exp" not in names
+
+
+def _capture_traced(tmp_path, fn):
+    cfg = NeuronConfig(profile_output_dir=str(tmp_path))
+    handler = NeuronProfiler(cfg)
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.PrivateUse1],
+                                    with_stack=True, experimental_config=cfg,
+                                    on_trace_ready=handler.export_trace):
+            fn()
+            torch.neuron.synchronize()
+    finally:
+        handler.close()
+    return os.path.join(str(tmp_path), "trace_0")
+
+
+def _matmul_then_chain():
+    a = torch.randn(1024, 1024, device="neuron")
+    b = a @ a
+    torch.neuron.synchronize()
+    x = torch.randn(1 << 20, device="neuron")
+    return (x * 2).exp(), b
+
+
+def test_traced_report_has_roofline_verdicts_lines_and_gaps(tmp_path, capsys):
+    was = torch_neuronx.is_adaptive_eager_enabled()
+    torch_neuronx.set_adaptive_eager(False)
+    try:
+        path = _capture_traced(tmp_path, _matmul_then_chain)
+    finally:
+        torch_neuronx.set_adaptive_eager(was)
+    r = report(path)
+    bound = {k["name"]: k["bound"] for k in r["top_kernels"]}
+    # 1024^3 matmul: 2 GFLOP over 12 MiB is far above the ridge; x*2 reads and writes 4 MiB
+    # for 1M multiplies: HBM-bound.
+    assert bound["mm"] == "compute" and bound["mul"] == "memory"
+    assert r["roofline"]
+    top_line = r["top_source_lines_modelled_ns"][0]
+    assert os.path.basename(top_line["file"]) == os.path.basename(__file__)
+    assert r["device_busy_ns"] > 0 and 0 <= r["host_overlap_share"] <= 1
+    # the synchronize between the matmul and the chain leaves the device idle
+    assert r["idle_ns"] > 0 and r["idle_gaps"][0]["idle_ns"] > 0
+    assert cli.main(["explore", path, "--plots", str(tmp_path / "plots")]) == 0
+    out = capsys.readouterr().out
+    assert "compute-bound" in out and "memory-bound" in out and "idle" in out
+    assert os.path.getsize(str(tmp_path / "plots" / "roofline.png")) > 1000

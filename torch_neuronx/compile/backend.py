@@ -79,6 +79,11 @@ def _compile_graph(gm, example_inputs, *, decompositions=None, config_patches=No
                       decompositions=decompositions, config_patches=patches)
 
 
+def _stochastic_rounding() -> bool:
+    from ..kernels.stochastic_rounding import _stochastic_rounding_enabled
+    return _stochastic_rounding_enabled()
+
+
 def neuron_backend(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None,
                    **kwargs):
     """Dynamo backend compiling ``gm`` for the neuron device (registered as ``"neuron"``)."""
@@ -95,6 +100,10 @@ def neuron_backend(gm: torch.fx.GraphModule, example_inputs, *, mode=None, optio
         passes.check_graph(gm)
         gm = passes.lower_flex_attention(gm)
         passes.note_source_lines(gm)
+        if _stochastic_rounding():
+            # Generated kernels round to nearest even: op by op, each bf16/fp16 result goes
+            # through the device's stochastic rounding (docs/precision.md).
+            return gm.forward
         return _compile_graph(gm, example_inputs, config_patches=inductor_patches)
     except Exception as exc:  # noqa: BLE001 - reported or turned into fallback below
         err = passes.explain_failure(exc, gm)

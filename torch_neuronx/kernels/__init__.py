@@ -5,4 +5,4 @@ attention entries, dropout on the device generator, ops with CUDA-only dtypes. E
 holds one such path; ``cuda_only`` lists every CUDA-only ATen op and what neuron does with it.
 """
 from . import (attention, cuda_only, dropout, dtypes, grouped_mm, nkilib_routes, quantized,  # noqa: F401
-               rms_norm, rnn, scaled_mm, sync_batchnorm)
+               rms_norm, rnn, scaled_mm, stochastic_rounding, sync_batchnorm)

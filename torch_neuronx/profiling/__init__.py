@@ -1,22 +1,28 @@
 """Neuron Explorer-style profiling: ``NeuronConfig``, ``ProfileMode``, ``NeuronProfiler``
-(AWS's names) over ``torch.profiler``, with a Parquet export of host events and the cost
-model's modelled device intervals.
-
-The Kineto device-lane plugin is not built yet: device events come from the cost model's
-modelled intervals (laid end to end per device queue), not from Kineto."""
+(AWS's names) over ``torch.profiler``, with a Parquet export of host events and device
+kernels. With the PrivateUse1 activity the Kineto plugin (csrc/profiler) records each kernel
+(host execution on its queue, modelled Trainium time, the op that launched it); without it,
+the device rows are the cost model's modelled intervals, uncorrelated."""
 from __future__ import annotations
 
 import enum
 import os
 import threading
 
-import pyarrow.compute as pa_compute
 from torch._C._profiler import _ExperimentalConfig
 
-from ._parquet import PROFILE_SCHEMA_VERSION, SCHEMA, export_parquet, events_table  # noqa: F401
-
 __all__ = ["NeuronConfig", "ProfileMode", "NeuronProfiler", "export_parquet",
-           "PROFILE_SCHEMA_VERSION"]
+           "PROFILE_SCHEMA_VERSION", "kernel_metadata"]
+
+_PARQUET_NAMES = ("PROFILE_SCHEMA_VERSION", "SCHEMA", "export_parquet", "events_table")
+
+
+def __getattr__(name):
+    # pyarrow loads on first use: the Kineto plugin imports this package at every session start.
+    if name in _PARQUET_NAMES:
+        from . import _parquet
+        return getattr(_parquet, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class ProfileMode(enum.Enum):
@@ -109,30 +115,72 @@ class NeuronProfiler:
         with self._lock:
             device, self._device = self._device, []
         path = os.path.join(out, f"trace_{n}")
-        table = export_parquet(path, host_events=prof.events(), device_events=device)
-        _chrome_with_lanes(prof, table, os.path.join(out, f"trace_{n}.json"))
+        from ._parquet import export_parquet
+        file = os.path.join(out, f"trace_{n}.json")
+        trace = _chrome_trace(prof, file)
+        table = export_parquet(path, host_events=prof.events(), device_events=device,
+                               kernel_meta=_kernel_args(trace), cores=self.config.cores,
+                               max_per_device=self.config.max_events_per_nc)
+        _add_lanes(trace, table, file)
         return path
 
 
-def _chrome_with_lanes(prof, table, file: str) -> None:
-    """Kineto's chrome trace plus the modelled lanes: one process per device, one thread per
-    queue, ``cat: "kernel"`` with ``args.stream`` as Holistic Trace Analysis reads them."""
+def _chrome_trace(prof, file: str) -> dict:
     import json
     prof.export_chrome_trace(file)
     with open(file) as f:
-        trace = json.load(f)
+        return json.load(f)
+
+
+def _kernel_args(trace: dict) -> dict:
+    """The Kineto plugin's metadata of each kernel (modelled_ns, engine, flops, hbm_bytes,
+    stream, launch), by the kernel's correlation id (its FunctionEvent's ``id``)."""
+    return {e["args"]["correlation"]: e["args"] for e in trace["traceEvents"]
+            if e.get("cat") == "kernel" and "correlation" in e.get("args", {})}
+
+
+def kernel_metadata(prof) -> dict:
+    """``{kernel event id: metadata}`` of a finished ``torch.profiler.profile`` run with the
+    PrivateUse1 activity. torch's FunctionEvents drop a device event's metadata; Kineto keeps
+    it in the chrome trace, which this exports to a temporary file and reads."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        return _kernel_args(_chrome_trace(prof, os.path.join(d, "trace.json")))
+
+
+# Modelled lanes of these engines get a thread of their own beside the device's queues.
+_ENGINE_LANES = {"nki": 1000, "fused": 1001, "collective": 1002}
+
+
+def _add_lanes(trace: dict, table, file: str) -> None:
+    """Kineto's chrome trace (with the plugin's ``kernel`` events, host execution time) plus
+    the modelled Trainium timeline: one process per device, one thread per queue (and per
+    engine for NKI kernels, compiled graphs and collectives). Modelled events have
+    ``cat: "modelled_kernel"`` and ``args.queue`` (not ``stream``), so tools that read device
+    kernels by stream (Holistic Trace Analysis) count each kernel once."""
+    import json
+
+    import pyarrow.compute as pa_compute
     events = trace["traceEvents"]
-    host_ts = [e["ts"] for e in events if e.get("ph") == "X"]
+    host_ts = [e["ts"] for e in events if e.get("ph") == "X" and e.get("cat") != "kernel"]
     origin = min(host_ts) if host_ts else 0.0
     hw = table.filter(pa_compute.equal(table["source"], "hardware")).to_pydict()
-    for d, q, name, start, dur in zip(hw["device"], hw["queue"], hw["name"], hw["start_ns"],
-                                      hw["duration_ns"]):
-        events.append({"ph": "X", "cat": "kernel", "name": name, "pid": 1000 + d, "tid": q,
-                       "ts": origin + start / 1e3, "dur": dur / 1e3,
-                       "args": {"stream": q, "device": d, "modelled_ns": dur}})
-    for d in sorted(set(hw["device"])):
+    lanes = set()
+    for d, q, eng, name, start, dur, corr in zip(hw["device"], hw["queue"], hw["engine"],
+                                                 hw["name"], hw["modelled_start_ns"],
+                                                 hw["modelled_ns"], hw["correlation_id"]):
+        tid = _ENGINE_LANES.get(eng, q)
+        lanes.add((d, tid, eng if tid != q else f"queue {q}"))
+        events.append({"ph": "X", "cat": "modelled_kernel", "name": name, "pid": 1000 + d,
+                       "tid": tid, "ts": origin + start / 1e3, "dur": dur / 1e3,
+                       "args": {"queue": q, "device": d, "engine": eng, "modelled_ns": dur,
+                                "External id": corr}})
+    for d in sorted({lane[0] for lane in lanes}):
         events.append({"ph": "M", "name": "process_name", "pid": 1000 + d,
                        "args": {"name": f"neuron:{d} modelled Trainium time"}})
+    for d, tid, label in sorted(lanes):
+        events.append({"ph": "M", "name": "thread_name", "pid": 1000 + d, "tid": tid,
+                       "args": {"name": label}})
     with open(file, "w") as f:
         json.dump(trace, f)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pyarrow.parquet as pq
 
 from .. import _state
@@ -22,11 +23,12 @@ def report(path: str, top: int = 10) -> dict:
     # What every launch costs however small the kernel: the launch and the kernel's
     # DMA-in / engine / DMA-out latency.
     launch_ns = profile.launch_overhead_ns + kernel_latency_ns(profile)
-    by_kernel = hw.groupby("name").agg(modelled_ns=("modelled_ns", "sum"), launches=("launches", "sum"))
+    by_kernel = hw.groupby("name").agg(modelled_ns=("modelled_ns", "sum"), launches=("launches", "sum"),
+                                       # (not `engine=`: agg takes that as its numba switch)
+                                       kernel_engine=("engine", "first"), flops=("flops", "sum"),
+                                       hbm_bytes=("hbm_bytes", "sum"))
     by_kernel["mean_ns"] = by_kernel.modelled_ns / by_kernel.launches
-    # Kernels whose mean is dominated by the fixed cost of a launch gain from fusion or
-    # batching, not from faster engines.
-    by_kernel["bound"] = ["launch" if m < 2 * launch_ns else "work" for m in by_kernel.mean_ns]
+    by_kernel["bound"] = [_bound(r, launch_ns, profile) for r in by_kernel.itertuples()]
     by_kernel = by_kernel.sort_values("modelled_ns", ascending=False)
     total = int(hw.modelled_ns.sum())
     launch_total = int(hw.launches.sum() * launch_ns)
@@ -34,17 +36,94 @@ def report(path: str, top: int = 10) -> dict:
     host = ev[ev.source == "framework"]
     lines = host[host.source_line >= 0].groupby(["source_file", "source_line"]).duration_ns.sum()
     lines = lines.sort_values(ascending=False).head(top)
+    # Correlated kernels (the Kineto plugin's) name the line that launched them.
+    dev_lines = hw[hw.source_line >= 0].groupby(["source_file", "source_line"]).modelled_ns.sum()
+    dev_lines = dev_lines.sort_values(ascending=False).head(top)
+    traced = hw[hw.duration_ns >= 0]
+    traced_bytes = bool(hw.hbm_bytes.sum() > 0)
     return {
+        "roofline": traced_bytes,
         "modelled_ns": total,
         "hardware_events": int(hw.shape[0]),
         "launch_overhead_share": (launch_total / total) if total else 0.0,
         "top_kernels": [{"name": n, "modelled_ns": int(r.modelled_ns), "launches": int(r.launches),
-                         "mean_ns": float(r.mean_ns), "bound": r.bound}
+                         "mean_ns": float(r.mean_ns), "bound": r.bound, "engine": r.kernel_engine,
+                         "flops": int(r.flops), "hbm_bytes": int(r.hbm_bytes)}
                         for n, r in by_kernel.head(top).iterrows()],
         "engines": {k: int(v) for k, v in engines.items()},
         "top_source_lines_host_ns": [{"file": f, "line": int(ln), "host_ns": int(v)}
                                      for (f, ln), v in lines.items()],
+        "top_source_lines_modelled_ns": [{"file": f, "line": int(ln), "modelled_ns": int(v)}
+                                         for (f, ln), v in dev_lines.items()],
+        **_timeline_analysis(traced, host, top),
     }
+
+
+def _bound(r, launch_ns: float, profile) -> str:
+    """What limits a kernel on the modelled chip. The cost model charges each launch a fixed
+    cost plus the longer of its engine work and its HBM traffic, so: launch-bound when the
+    fixed cost dominates (fusion or batching helps, faster engines do not); else memory-bound
+    when the HBM time is the longer part, compute-bound otherwise. Without traced bytes (a
+    profile without the PrivateUse1 activity) only launch vs work is known."""
+    if r.mean_ns < 2 * launch_ns:
+        return "launch"
+    if r.hbm_bytes <= 0 or r.kernel_engine in ("nki", "collective", "fused", "dma"):
+        return "work"
+    from .. import _state
+    work_ns = r.modelled_ns - r.launches * launch_ns
+    hbm_ns = r.hbm_bytes / profile.core_hbm_bandwidth(_state.config().lnc) * 1e9
+    return "memory" if hbm_ns >= 0.99 * work_ns else "compute"
+
+
+def _union(starts, ends) -> tuple:
+    """Merged intervals of [starts, ends): (merged starts, merged ends)."""
+    if len(starts) == 0:
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    order = np.argsort(starts, kind="stable")
+    s, e = np.asarray(starts)[order], np.asarray(ends)[order]
+    run_end = np.maximum.accumulate(e)
+    new = np.r_[True, s[1:] > run_end[:-1]]
+    idx = np.flatnonzero(new)
+    return s[idx], np.r_[run_end[idx[1:] - 1], run_end[-1]]
+
+
+def _overlap(a, b) -> int:
+    """Length of the intersection of two merged interval sets."""
+    (as_, ae), (bs, be) = a, b
+    total, i, j = 0, 0, 0
+    while i < len(as_) and j < len(bs):
+        lo, hi = max(as_[i], bs[j]), min(ae[i], be[j])
+        if hi > lo:
+            total += int(hi - lo)
+        if ae[i] < be[j]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def _timeline_analysis(traced, host, top: int) -> dict:
+    """On the traced (host execution) timeline: device busy time, idle gaps between kernels
+    of a device, and how much of the device's busy time ran while the host was inside ops
+    (overlapped) rather than waiting for nothing."""
+    if traced.empty:
+        return {"device_busy_ns": 0, "idle_ns": 0, "idle_gaps": [], "host_overlap_share": None}
+    gaps, busy_total, idle_total, overlap_total = [], 0, 0, 0
+    hs, he = _union(host.start_ns.to_numpy(), (host.start_ns + host.duration_ns).to_numpy())
+    for d, k in traced.groupby("device"):
+        k = k.sort_values("start_ns")
+        s, e = _union(k.start_ns.to_numpy(), (k.start_ns + k.duration_ns).to_numpy())
+        busy_total += int((e - s).sum())
+        overlap_total += _overlap((s, e), (hs, he))
+        for gs, ge in zip(e[:-1], s[1:]):
+            nxt = k[k.start_ns >= ge].iloc[0]
+            gaps.append({"device": int(d), "start_ns": int(gs), "idle_ns": int(ge - gs),
+                         "next_kernel": nxt["name"], "file": nxt.source_file,
+                         "line": int(nxt.source_line)})
+            idle_total += int(ge - gs)
+    gaps.sort(key=lambda g: -g["idle_ns"])
+    return {"device_busy_ns": busy_total, "idle_ns": idle_total, "idle_gaps": gaps[:top],
+            "host_overlap_share": overlap_total / busy_total if busy_total else None}
 
 
 def format_text(r: dict) -> str:
@@ -57,9 +136,20 @@ def format_text(r: dict) -> str:
         out.append(f"  {k['name']:<24}{k['modelled_ns'] / 1e3:>12.1f} us {k['launches']:>7} launches  "
                    f"{k['bound']}-bound")
     out.append("engines: " + ", ".join(f"{e} {ns / 1e3:.1f} us" for e, ns in r["engines"].items()))
+    if r["top_source_lines_modelled_ns"]:
+        out.append("top source lines by modelled device time:")
+        for s in r["top_source_lines_modelled_ns"]:
+            out.append(f"  {s['file']}:{s['line']}  {s['modelled_ns'] / 1e3:.1f} us")
     out.append("top source lines by host time:")
     for s in r["top_source_lines_host_ns"]:
         out.append(f"  {s['file']}:{s['line']}  {s['host_ns'] / 1e3:.1f} us")
+    if r["device_busy_ns"]:
+        out.append(f"device busy {r['device_busy_ns'] / 1e3:.1f} us (host execution), idle between "
+                   f"kernels {r['idle_ns'] / 1e3:.1f} us; {100 * r['host_overlap_share']:.0f}% of "
+                   f"the busy time overlaps host ops")
+        for g in r["idle_gaps"][:5]:
+            out.append(f"  idle {g['idle_ns'] / 1e3:.1f} us on neuron:{g['device']} before "
+                       f"{g['next_kernel']} ({g['file']}:{g['line']})")
     return "\n".join(out)
 
 
@@ -80,11 +170,13 @@ def plots(path: str, r: dict, out_dir: str) -> list:
     plt.close(fig)
     ev = pq.read_table(os.path.join(path, "SystemProfileEvents.parquet")).to_pandas()
     hw = ev[ev.source == "hardware"]
+    if r.get("roofline"):
+        files.append(_roofline_plot(plt, r, out_dir))
     fig, ax = plt.subplots(figsize=(10, 3))
     lanes = sorted(set(zip(hw.device, hw.queue)))
     for i, lane in enumerate(lanes):
         q = hw[(hw.device == lane[0]) & (hw.queue == lane[1])]
-        ax.broken_barh(list(zip(q.start_ns / 1e3, q.duration_ns / 1e3)), (i - 0.4, 0.8))
+        ax.broken_barh(list(zip(q.modelled_start_ns / 1e3, q.modelled_ns / 1e3)), (i - 0.4, 0.8))
     ax.set_yticks(range(len(lanes)), [f"neuron:{d} q{q}" for d, q in lanes])
     ax.set_xlabel("modelled time (us)")
     fig.tight_layout()
@@ -92,6 +184,33 @@ def plots(path: str, r: dict, out_dir: str) -> list:
     fig.savefig(files[-1])
     plt.close(fig)
     return files
+
+
+def _roofline_plot(plt, r: dict, out_dir: str) -> str:
+    """Achieved modelled FLOP/s against arithmetic intensity (FLOPs per HBM byte), under the
+    profile's HBM roof; kernels without TensorE FLOPs sit at intensity 0."""
+    from .. import _state
+    cfg = _state.config()
+    bw = cfg.profile.core_hbm_bandwidth(cfg.lnc)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ks = [k for k in r["top_kernels"] if k["hbm_bytes"] > 0]
+    ai = [max(k["flops"] / k["hbm_bytes"], 1e-3) for k in ks]
+    perf = [max(k["flops"] / (k["modelled_ns"] * 1e-9), 1.0) for k in ks]
+    ax.scatter(ai, perf)
+    for k, x, y in zip(ks, ai, perf):
+        ax.annotate(f"{k['name']} ({k['bound']})", (x, y), fontsize=7)
+    xs = [1e-3, max(ai + [1.0]) * 10]
+    ax.plot(xs, [x * bw for x in xs], "--", label="HBM roof")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("FLOPs per HBM byte")
+    ax.set_ylabel("modelled FLOP/s")
+    ax.legend()
+    fig.tight_layout()
+    path = os.path.join(out_dir, "roofline.png")
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,214 @@
+"""Paged-KV attention for vLLM on neuron, in plain torch.
+
+The KV cache of a layer is vLLM's ``[num_blocks, num_kv_heads, block_size, head_size +
+head_size_v]`` (keys then values in the last dimension, any physical layout). New keys and
+values are written through the slot mapping. One ``scaled_dot_product_attention`` per layer
+covers all the decoding requests of a step (one new token each; their cached keys and values
+gathered through the block table, padded to the longest and masked), one more all the prompts
+processed whole (their own new keys and values, padded and masked causally). A chunk that
+continues cached tokens (chunked prefill, prefix-cache hit) is attended on its own with a
+bottom-right causal mask; a lone whole prompt with plain causal SDPA, which the cost model
+charges as NKI-lib's ``attention_cte`` (torch_neuronx/kernels/nkilib_routes.py). Masked calls
+are charged on the roofline (an explicit mask keeps SDPA off NKI-lib's kernels).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl,
+                                       AttentionMetadataBuilder, AttentionType,
+                                       CommonAttentionMetadata, MultipleOf)
+
+
+class NeuronAttentionBackend(AttentionBackend):
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16", "float32"]
+
+    @staticmethod
+    def get_name() -> str:
+        # vLLM's registry has one slot for an out-of-tree backend.
+        return "CUSTOM"
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
+        return [MultipleOf(1)]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list:
+        return []   # any
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @staticmethod
+    def get_impl_cls():
+        return NeuronAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return NeuronAttentionMetadataBuilder
+
+
+@dataclass
+class NeuronAttentionMetadata:
+    num_actual_tokens: int
+    query_starts: list          # host ints, num_reqs + 1
+    seq_lens: list              # host ints, tokens in the cache after this step
+    block_ids: dict             # prefill request -> device tensor of its blocks
+    slot_blocks: torch.Tensor   # per new token: cache block (device)
+    slot_offsets: torch.Tensor  # per new token: slot within the block (device)
+    prefills: list              # requests attended one by one
+    decode: tuple | None        # (token index, cache blocks, offsets, mask) of the decodes
+    prompts: tuple | None       # (token index [n, L], valid flat index, mask) of whole prompts
+
+
+class NeuronAttentionMetadataBuilder(AttentionMetadataBuilder[NeuronAttentionMetadata]):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = kv_cache_spec.block_size
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> NeuronAttentionMetadata:
+        m = common_attn_metadata
+        n_req, n_tok, bs = m.num_reqs, m.num_actual_tokens, self.block_size
+        # One host read per step, shared by every layer.
+        starts = m.query_start_loc_cpu[:n_req + 1].tolist()
+        seq_lens = m.seq_lens[:n_req].cpu().tolist()
+        slots = m.slot_mapping[:n_tok]
+        table = m.block_table_tensor
+        lq = [starts[i + 1] - starts[i] for i in range(n_req)]
+        decodes = [i for i in range(n_req) if lq[i] == 1]
+        whole = [i for i in range(n_req) if 1 < lq[i] == seq_lens[i]]
+        prefills = [i for i in range(n_req) if 1 < lq[i] < seq_lens[i]]
+        if len(whole) == 1:
+            prefills, whole = prefills + whole, []
+        block_ids = {i: table[i, :(seq_lens[i] + bs - 1) // bs] for i in prefills}
+        return NeuronAttentionMetadata(
+            num_actual_tokens=n_tok, query_starts=starts, seq_lens=seq_lens,
+            block_ids=block_ids, slot_blocks=torch.div(slots, bs, rounding_mode="floor"),
+            slot_offsets=torch.remainder(slots, bs), prefills=prefills,
+            decode=self._decode(decodes, starts, seq_lens, table) if decodes else None,
+            prompts=_prompts(whole, starts, lq, table.device) if whole else None)
+
+    def _decode(self, rows, starts, seq_lens, table):
+        """Where each decoding request's cached tokens are, padded to the longest: padding
+        points at the request's first token (finite data, unlike unwritten cache) and is
+        masked out."""
+        bs, dev = self.block_size, table.device
+        lens = torch.tensor([seq_lens[i] for i in rows])
+        width = int(lens.max())
+        pos = torch.arange(width)
+        valid = pos[None, :] < lens[:, None]
+        pos = torch.where(valid, pos[None, :], 0)
+        host_table = table[:max(rows) + 1, :(width + bs - 1) // bs].cpu()
+        blocks = host_table[torch.tensor(rows)[:, None], pos // bs].to(torch.int64)
+        tokens = torch.tensor([starts[i] for i in rows])
+        return (tokens.to(dev), blocks.to(dev), (pos % bs).to(dev),
+                valid[:, None, None, :].to(dev))
+
+
+def _prompts(rows, starts, lq, dev):
+    """Whole prompts padded to the longest: padding repeats the prompt's first token, and
+    each query sees its own prompt's keys up to itself."""
+    lens = torch.tensor([lq[i] for i in rows])
+    width = int(lens.max())
+    pos = torch.arange(width)
+    valid = pos[None, :] < lens[:, None]
+    tokens = torch.tensor([starts[i] for i in rows])[:, None] + torch.where(valid, pos, 0)
+    mask = valid[:, None, None, :] & torch.ones(width, width, dtype=torch.bool).tril()
+    flat = valid.flatten().nonzero().squeeze(1)
+    return tokens.to(dev), flat.to(dev), tokens.flatten()[flat].to(dev), mask.to(dev)
+
+
+class NeuronAttentionImpl(AttentionImpl):
+    def __init__(self, num_heads, head_size, scale, num_kv_heads=None, alibi_slopes=None,
+                 sliding_window=None, kv_cache_dtype="auto", logits_soft_cap=None,
+                 attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None,
+                 sinks=None) -> None:
+        unsupported = [name for name, v in (("ALiBi", alibi_slopes),
+                                            ("sliding window", sliding_window),
+                                            ("logits soft cap", logits_soft_cap),
+                                            ("attention sinks", sinks)) if v]
+        if attn_type != AttentionType.DECODER:
+            unsupported.append(f"{attn_type} attention")
+        if unsupported:
+            raise NotImplementedError(
+                f"neuron paged attention: {', '.join(unsupported)} not supported "
+                f"(num_heads={num_heads}, head_size={head_size})")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.attn_type = attn_type
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        from vllm.forward_context import get_forward_context
+
+        meta = get_forward_context().attn_metadata
+        meta = meta.get(layer.layer_name) if isinstance(meta, dict) else meta
+        if meta is None:    # a profiling run without a cache
+            return
+        n, d = meta.num_actual_tokens, key.shape[-1]
+        blk, off = meta.slot_blocks, meta.slot_offsets
+        kv_cache[blk, :, off, :d] = key[:n]
+        kv_cache[blk, :, off, d:] = value[:n]
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("neuron paged attention: fused output quantization "
+                                      "is not supported")
+        if attn_metadata is None:   # profiling run
+            return output
+        m, d = attn_metadata, self.head_size
+        out = output.view(output.shape[0], self.num_heads, -1)
+        rep = self.num_heads // self.num_kv_heads
+        if m.decode is not None:
+            tokens, blocks, offsets, mask = m.decode
+            kv = kv_cache[blocks, :, offsets].transpose(1, 2)     # [n, Hkv, width, d + dv]
+            k, v = kv[..., :d], kv[..., d:]
+            if rep > 1:
+                k = k.repeat_interleave(rep, dim=1)
+                v = v.repeat_interleave(rep, dim=1)
+            q = query.index_select(0, tokens).unsqueeze(2)          # [n, Hq, 1, d]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+            out.index_copy_(0, tokens, o.squeeze(2))
+        if m.prompts is not None:
+            tokens, flat, dest, mask = m.prompts
+            n, width = tokens.shape
+            q = query[tokens].transpose(1, 2)                       # [n, Hq, width, d]
+            k = key[tokens].transpose(1, 2)                         # [n, Hkv, width, d]
+            v = value[tokens].transpose(1, 2)
+            if rep > 1:
+                k = k.repeat_interleave(rep, dim=1)
+                v = v.repeat_interleave(rep, dim=1)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+            o = o.transpose(1, 2).flatten(0, 1).index_select(0, flat)
+            out.index_copy_(0, dest, o)
+        for i in m.prefills:
+            s = m.seq_lens[i]
+            q0, q1 = m.query_starts[i], m.query_starts[i + 1]
+            lq = q1 - q0
+            blocks = kv_cache.index_select(0, m.block_ids[i])      # [nb, Hkv, bs, d + dv]
+            kv = blocks.transpose(0, 1).flatten(1, 2)[:, :s]       # [Hkv, s, d + dv]
+            k, v = kv[..., :d], kv[..., d:]
+            if rep > 1:
+                k = k.repeat_interleave(rep, dim=0)
+                v = v.repeat_interleave(rep, dim=0)
+            q = query[q0:q1].transpose(0, 1).unsqueeze(0)          # [1, Hq, lq, d]
+            if lq == s:             # the whole sequence: plain causal
+                o = F.scaled_dot_product_attention(q, k.unsqueeze(0), v.unsqueeze(0),
+                                                   is_causal=True, scale=self.scale)
+            else:                   # a chunk after cached tokens: bottom-right causal
+                mask = torch.ones(lq, s, dtype=torch.bool, device=q.device).tril(s - lq)
+                o = F.scaled_dot_product_attention(q, k.unsqueeze(0), v.unsqueeze(0),
+                                                   attn_mask=mask, scale=self.scale)
+            out[q0:q1] = o.squeeze(0).transpose(0, 1)
+        return output

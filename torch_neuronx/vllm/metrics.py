@@ -1,0 +1,155 @@
+"""Modelled Trainium serving cost: TTFT, inter-token latency and tokens/s per chip.
+
+Each engine step's modelled time is what the cost model charged the device for it (the
+model's ops, attention as NKI-lib's ``attention_cte``/``attention_tkg`` kernels, the
+sampler). A request's modelled TTFT is the modelled time of the steps from its first
+scheduling to the step that samples its first token (queueing excluded); a decode step's
+modelled time is the inter-token latency of every request it advances. Tokens per second
+per chip assume every logical core of the chip serves its own replica.
+
+The numbers go to the log (logger ``torch_neuronx.vllm``) every ``LOG_EVERY`` seconds of
+wall time, to ``summary()``, and, when ``PROMETHEUS_MULTIPROC_DIR`` is set, to vLLM's
+``/metrics`` as ``neuron:modelled_*`` series.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch_neuronx
+
+log = logging.getLogger("torch_neuronx.vllm")
+LOG_EVERY = float(os.environ.get("TORCH_NEURONX_VLLM_LOG_EVERY", "10"))
+
+
+@dataclass
+class Summary:
+    platform: str
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0                               # modelled, all steps
+    ttft: list = field(default_factory=list)           # modelled seconds per request
+    itl: list = field(default_factory=list)            # modelled seconds per decode step
+    cores_per_chip: int = 1
+
+    @property
+    def tokens_per_s_per_chip(self) -> float:
+        return self.tokens / self.seconds * self.cores_per_chip if self.seconds else 0.0
+
+    def as_dict(self) -> dict:
+        med = lambda xs: statistics.median(xs) if xs else 0.0  # noqa: E731
+        return {"platform": self.platform, "steps": self.steps, "tokens": self.tokens,
+                "modelled_seconds": self.seconds, "ttft_median_s": med(self.ttft),
+                "itl_median_s": med(self.itl), "requests": len(self.ttft),
+                "tokens_per_s_per_chip": self.tokens_per_s_per_chip}
+
+    def __str__(self):
+        d = self.as_dict()
+        return (f"neuron modelled {d['platform']}: TTFT median {d['ttft_median_s'] * 1e3:.3f} "
+                f"ms over {d['requests']} requests, ITL median {d['itl_median_s'] * 1e3:.3f} "
+                f"ms, {d['tokens_per_s_per_chip']:.0f} tokens/s per chip "
+                f"({d['tokens']} tokens in {d['steps']} steps)")
+
+
+class StepClock:
+    """Reads the modelled time of every engine step of one device."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.reset()
+        self._prefill: dict = {}      # req id -> [modelled seconds so far, prompt tokens left]
+        self._step = None
+        self._last_log = time.monotonic()
+        self._prom = _prometheus()
+
+    def reset(self) -> None:
+        """Start a new summary (the requests in flight keep their prefill time so far)."""
+        cfg = torch_neuronx._state.config()
+        self.summary = Summary(platform=cfg.profile.name,
+                               cores_per_chip=cfg.profile.logical_cores(cfg.lnc))
+
+    def begin(self) -> None:
+        """A step starts: what ran before it (profiling, warm-up) is not serving time."""
+        torch.neuron.synchronize(self.device)
+        torch_neuronx.reset_modelled_time(self.device)
+
+    def step(self, scheduler_output) -> None:
+        """Remember which requests a step advances (its time is read once it sampled)."""
+        new, first_tokens, decodes = scheduler_output.num_scheduled_tokens, [], 0
+        for req in scheduler_output.scheduled_new_reqs:
+            left = len(req.prompt_token_ids or ()) - req.num_computed_tokens
+            self._prefill[req.req_id] = [0.0, left]
+        for rid in scheduler_output.finished_req_ids:
+            self._prefill.pop(rid, None)
+        for rid, n in new.items():
+            state = self._prefill.get(rid)
+            if state is None:
+                decodes += 1
+                continue
+            state[1] -= n
+            if state[1] <= 0:
+                first_tokens.append(rid)
+        self._step = (first_tokens, decodes, list(self._prefill))
+
+    def sampled(self) -> None:
+        if self._step is None:
+            return
+        first_tokens, decodes, prefilling = self._step
+        self._step = None
+        torch.neuron.synchronize(self.device)
+        seconds = torch_neuronx.modelled_time(self.device, reset=True).seconds
+        s = self.summary
+        s.steps += 1
+        s.seconds += seconds
+        s.tokens += len(first_tokens) + decodes
+        for rid in prefilling:
+            self._prefill[rid][0] += seconds
+        for rid in first_tokens:
+            s.ttft.append(self._prefill.pop(rid)[0])
+        if decodes:
+            s.itl.append(seconds)
+        if self._prom is not None:
+            self._prom(s, seconds, first_tokens, decodes)
+        now = time.monotonic()
+        if now - self._last_log >= LOG_EVERY:
+            self._last_log = now
+            log.info("%s", s)
+
+
+def _prometheus():
+    """Gauges in vLLM's multiprocess Prometheus registry, or None without one: the engine
+    runs in its own process, and only the multiprocess registry carries its series to the
+    API server's ``/metrics``."""
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return None
+    from prometheus_client import Counter, Gauge, Histogram
+
+    plat = torch_neuronx._state.config().profile.name
+    buckets = [1e-5 * 2 ** i for i in range(20)]
+    ttft = Histogram("neuron:modelled_time_to_first_token_seconds",
+                     "Modelled Trainium time to first token per request", ["platform"],
+                     buckets=buckets).labels(plat)
+    itl = Histogram("neuron:modelled_inter_token_latency_seconds",
+                    "Modelled Trainium time of each decode step", ["platform"],
+                    buckets=buckets).labels(plat)
+    busy = Counter("neuron:modelled_busy_seconds", "Modelled Trainium time of all steps",
+                   ["platform"]).labels(plat)
+    tokens = Counter("neuron:modelled_tokens", "Tokens produced by modelled steps",
+                     ["platform"]).labels(plat)
+    rate = Gauge("neuron:modelled_tokens_per_second_per_chip",
+                 "Tokens per modelled second, times the chip's logical cores",
+                 ["platform"], multiprocess_mode="mostrecent").labels(plat)
+
+    def update(s: Summary, seconds: float, first_tokens: list, decodes: int) -> None:
+        for t in s.ttft[len(s.ttft) - len(first_tokens):]:
+            ttft.observe(t)
+        if decodes:
+            itl.observe(seconds)
+        busy.inc(seconds)
+        tokens.inc(len(first_tokens) + decodes)
+        rate.set(s.tokens_per_s_per_chip)
+    return update
