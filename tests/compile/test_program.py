@@ -54,9 +54,9 @@ def test_compute_bound_matmul_runs_near_tensore_peak():
 
 def test_independent_kernels_overlap_on_their_engines():
     # A compute-bound matmul (TensorE) next to memory-bound element-wise work (DMA).
-    a = torch.randn(2048, 2048, device=N, dtype=torch.bfloat16)
-    b = torch.randn(2048, 2048, device=N, dtype=torch.bfloat16)
-    x = torch.randn(1024, 4096, device=N)
+    a = torch.randn(1024, 1024, device=N, dtype=torch.bfloat16)
+    b = torch.randn(1024, 1024, device=N, dtype=torch.bfloat16)
+    x = torch.randn(512, 2048, device=N)
     _, mm = _program(lambda p, q: p @ q, a, b)
     _, ew = _program(lambda t: torch.tanh(t) * 3 + t, x)
     _, both = _program(lambda p, q, t: (p @ q, torch.tanh(t) * 3 + t), a, b, x)
@@ -67,8 +67,8 @@ def test_independent_kernels_overlap_on_their_engines():
 
 
 def test_consumer_waits_for_its_producer():
-    x = torch.randn(1024, 1024, device=N, dtype=torch.bfloat16)
-    w = torch.randn(1024, 1024, device=N, dtype=torch.bfloat16)
+    x = torch.randn(512, 512, device=N, dtype=torch.bfloat16)
+    w = torch.randn(512, 512, device=N, dtype=torch.bfloat16)
     _, chain = _program(lambda t, u: torch.tanh(t @ u) @ u, x, w)
     _, one = _program(lambda t, u: t @ u, x, w)
     # Two dependent matmuls cannot overlap each other: at least twice one of them.
