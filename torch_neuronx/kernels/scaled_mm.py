@@ -222,14 +222,17 @@ def _nvfp4(op):
         "BlockWise1x32), which Trainium3 runs natively")
 
 
-def _charge(dev, op, a, b, scales, bias, out, kind, batch=1):
+def _charge(dev, op, dims, tensors, kind):
+    """One TensorE kernel of (batch, M, K, N) ``dims`` at the ``kind`` rate, moving ``tensors``
+    (operands, scales, bias, result) through HBM once."""
     cfg = _state.config()
-    k = a.size(-1) * (2 if a.dtype == _FP4 else 1)
-    dims = (batch, a.size(-2) if a.dim() == 3 else a.size(0), k, out.size(-1))
-    nbytes = a.nbytes + b.nbytes + out.nbytes + sum(s.nbytes for s in scales)
-    nbytes += bias.nbytes if bias is not None else 0
+    nbytes = sum(t.nbytes for t in tensors if t is not None)
     seconds, flops = cost_model.scaled_matmul_seconds(cfg.profile, cfg.lnc, dims, kind, nbytes)
     cost_model._add_time(dev, op, seconds, engine="tensor", flops=flops, hbm_bytes=nbytes)
+
+
+def _mm_dims(a, out):
+    return (1, a.size(0), a.size(1) * (2 if a.dtype == _FP4 else 1), out.size(1))
 
 
 def _adopt(out, dev):
@@ -258,7 +261,7 @@ def _scaled_mm(self, mat2, scale_a, scale_b, bias=None, scale_result=None, out_d
         host = _host(self, mat2, scale_a, scale_b, bias, scale_result)
         out = torch._scaled_mm(*host[:4], bias=host[4], scale_result=host[5], out_dtype=out_dtype,
                                use_fast_accum=use_fast_accum)
-        _charge(dev, op, self, mat2, (scale_a, scale_b), bias, out, "float8")
+        _charge(dev, op, _mm_dims(self, out), (self, mat2, scale_a, scale_b, bias, out), "float8")
         return _adopt(out, dev)
     if ra == _B1x16:
         raise _nvfp4(op)
@@ -291,7 +294,8 @@ def _blocked(op, dev, a, b, scale_a, scale_b, ra, rb, bias, out_dtype, v2):
         out = torch.zeros(m, n, dtype=out_dtype)
     else:
         out = _dequantized_mm(ha, hb, sa, sb, ra, rb, hbias, out_dtype)
-    _charge(dev, op, a, b, (scale_a, scale_b), bias, out, "mx" if ra == _B1x32 else "float8")
+    _charge(dev, op, _mm_dims(a, out), (a, b, scale_a, scale_b, bias, out),
+            "mx" if ra == _B1x32 else "float8")
     return _adopt(out, dev)
 
 
@@ -394,7 +398,7 @@ def _scaled_mm_v2(self, mat2, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, s
         out = torch.ops.aten._scaled_mm_v2(ha, hb, _host(*scale_a), recipe_a, swizzle_a, _host(*scale_b),
                                            recipe_b, swizzle_b, hbias, out_dtype, contraction_dim,
                                            use_fast_accum)
-        _charge(dev, op, self, mat2, scale_a + scale_b, bias, out, "float8")
+        _charge(dev, op, _mm_dims(self, out), (self, mat2, *scale_a, *scale_b, bias, out), "float8")
         return _adopt(out, dev)
     if ra == _B1x16:
         raise _nvfp4(op)
@@ -443,7 +447,7 @@ def _scaled_grouped_mm(self, mat2, scale_a, scale_b, offs=None, bias=None, scale
             f"aten::{op}: MXFP8 grouped GEMM (float8_e8m0fnu scales) is not implemented on neuron yet; "
             "use rowwise float32 scales, or torch._scaled_mm per group")
     out = _rowwise_grouped(self, mat2, scale_a, scale_b, offs, out_dtype or torch.bfloat16)
-    _charge_grouped(dev, op, self, mat2, (scale_a, scale_b), out)
+    _charge(dev, op, _grouped_dims(self, mat2), (self, mat2, scale_a, scale_b, out), "float8")
     return _adopt(out, dev)
 
 
@@ -522,25 +526,16 @@ def _scaled_grouped_mm_v2(self, mat2, scale_a, recipe_a, swizzle_a, scale_b, rec
     _check_rowwise_scale(self, scale_a[0], 0, 0, multiplier)
     _check_rowwise_scale(mat2, scale_b[0], 1, 1, multiplier)
     out = _rowwise_grouped(self, mat2, scale_a[0], scale_b[0], offs, out_dtype)
-    _charge_grouped(dev, op, self, mat2, (scale_a[0], scale_b[0]), out)
+    _charge(dev, op, _grouped_dims(self, mat2), (self, mat2, scale_a[0], scale_b[0], out), "float8")
     return _adopt(out, dev)
 
 
-def _charge_grouped(dev, op, a, b, scales, out):
-    """One grouped kernel at the FP8 rate: every row of A meets one group's columns."""
+def _grouped_dims(a, b):
+    """One grouped kernel: every row of A meets one group's columns."""
     k = a.size(-1)
-    if a.dim() == 2 and b.dim() == 3:
-        dims = (1, a.size(0), k, b.size(2))
-    elif a.dim() == 3 and b.dim() == 3:
-        dims = (a.size(0), a.size(1), k, b.size(2))
-    elif a.dim() == 3:
-        dims = (1, a.size(1), k, b.size(1))
-    else:
-        dims = (1, a.size(0), k, b.size(1))
-    cfg = _state.config()
-    nbytes = a.nbytes + b.nbytes + out.nbytes + sum(s.nbytes for s in scales)
-    seconds, flops = cost_model.scaled_matmul_seconds(cfg.profile, cfg.lnc, dims, "float8", nbytes)
-    cost_model._add_time(dev, op, seconds, engine="tensor", flops=flops, hbm_bytes=nbytes)
+    if a.dim() == 3 and b.dim() == 3:
+        return (a.size(0), a.size(1), k, b.size(2))
+    return (1, a.size(-2), k, b.size(-1))
 
 
 _lib.impl("_scaled_grouped_mm", _scaled_grouped_mm, "PrivateUse1")
