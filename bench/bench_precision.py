@@ -11,9 +11,11 @@ per-pair ratio, so machine noise hits both alike:
   and against an FP32 one for scale;
 * the modelled trn2/trn3 time of each, from the cost model.
 * a TorchAO float8 training step (tensorwise, rowwise) against the bf16 step, host time and
-  modelled trn2 time, eager and compiled (``bench_torchao``).
+  modelled trn2 time, eager and compiled (``bench_torchao``); with ``--large`` also at
+  a larger shape (Linear 1024->4096->1024, 2048 tokens: the bf16 step's matmuls are 57% of
+  its modelled time), to see how the casts' HBM traffic and the FP8 matmul saving scale.
 
-Run: .venv/bin/python bench/bench_precision.py [--quick]
+Run: .venv/bin/python bench/bench_precision.py [--quick] [--large]
 """
 from __future__ import annotations
 
@@ -145,13 +147,15 @@ def modelled(size):
               f"{fp8 / bf16:>10.3f}{mx / bf16:>10.3f}")
 
 
-def bench_torchao(pairs, quick):
+def bench_torchao(pairs, d, ffn, tokens):
     """TorchAO float8 training (tensorwise, rowwise) against the bf16 step, all on neuron:
-    host time (interleaved runs, medians) and the modelled trn2 time of one step, eager and
-    compiled, with the matmuls' share (mm or _scaled_mm) apart from the casts around them."""
+    host time and the modelled trn2 time of one step, eager and compiled, with the matmuls'
+    share (mm or _scaled_mm) apart from the casts around them. ``pairs`` > 0: host time is the
+    median of interleaved warm runs; 0 (the larger shape, where one bf16 step takes
+    minutes on a host without BF16 instructions): one run per recipe and mode, the eager one
+    without warm-up (modelled time does not depend on it)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    d, ffn, tokens = (256, 1024, 512) if quick else (512, 2048, 1024)
     recipes = (None, "tensorwise", "rowwise")
 
     def make(recipe, compiled=False):
@@ -170,36 +174,48 @@ def bench_torchao(pairs, quick):
             opt.step()
             opt.zero_grad(set_to_none=True)
             torch.neuron.synchronize()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torchao's float64 scales: neuron warns once
-            step()  # warm-up (and compilation)
+        if compiled or pairs:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torchao's float64 scales: neuron warns once
+                step()  # warm-up (and compilation)
         return step
 
     def modelled_step(step):
         torch_neuronx.reset_modelled_time()
-        step()
+        t0 = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            step()
+        host = time.perf_counter() - t0
         t = torch_neuronx.modelled_time(reset=True)
-        return t.seconds, t.by_op.get("mm", 0.0) + t.by_op.get("_scaled_mm", 0.0)
+        return t.seconds, t.by_op.get("mm", 0.0) + t.by_op.get("_scaled_mm", 0.0), host
 
-    steps = {r: make(r) for r in recipes}
-    host = {r: [] for r in recipes}
-    for _ in range(pairs):  # interleaved, so machine noise hits every recipe alike
-        for r in recipes:
-            t0 = time.perf_counter()
-            steps[r]()
-            host[r].append(time.perf_counter() - t0)
-    ratio = {r: statistics.median(f / b for f, b in zip(host[r], host[None])) for r in recipes}
-    eager = {r: modelled_step(steps[r]) for r in recipes}
+    eager = {r: modelled_step(make(r)) for r in recipes}
     compiled = {r: modelled_step(make(r, compiled=True)) for r in recipes}
+    if pairs:
+        steps = {r: make(r) for r in recipes}
+        host = {r: [] for r in recipes}
+        for _ in range(pairs):  # interleaved, so machine noise hits every recipe alike
+            for r in recipes:
+                t0 = time.perf_counter()
+                steps[r]()
+                host[r].append(time.perf_counter() - t0)
+        host_s = {r: statistics.median(host[r]) for r in recipes}
+        ratio = {r: statistics.median(f / b for f, b in zip(host[r], host[None])) for r in recipes}
+        how = f"median of {pairs} interleaved runs"
+    else:
+        host_s = {r: eager[r][2] for r in recipes}
+        ratio = {r: host_s[r] / host_s[None] for r in recipes}
+        how = "one eager run"
 
     print(f"\nTorchAO float8 training step vs the bf16 step on neuron (Linear {d}->{ffn}, GELU, "
-          f"Linear {ffn}->{d}; {tokens} tokens; SGD); host: median of {pairs} interleaved runs; "
+          f"Linear {ffn}->{d}; {tokens} tokens; SGD); host: {how}; "
           "trn2: modelled step (its matmuls alone in brackets)")
     print(f"{'recipe':<12}{'host':>11}{'/bf16':>7}{'trn2 eager':>22}{'/bf16':>7}"
           f"{'trn2 compiled':>22}{'/bf16':>7}")
     for r in recipes:
-        (e, em), (c, cm) = eager[r], compiled[r]
-        print(f"{r or 'bf16':<12}{statistics.median(host[r]) * 1e3:>8.1f} ms{ratio[r]:>7.2f}"
+        (e, em, _), (c, cm, _) = eager[r], compiled[r]
+        print(f"{r or 'bf16':<12}{host_s[r] * 1e3:>8.1f} ms{ratio[r]:>7.2f}"
               f"{e * 1e6:>9.0f} us ({em * 1e6:>5.0f} us){e / eager[None][0]:>7.2f}"
               f"{c * 1e6:>9.0f} us ({cm * 1e6:>5.0f} us){c / compiled[None][0]:>7.2f}")
 
@@ -207,6 +223,9 @@ def bench_torchao(pairs, quick):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--large", action="store_true",
+                    help="also the float8 step at a larger shape (bf16 steps take minutes on a "
+                         "host without BF16 instructions)")
     args = ap.parse_args()
     pairs = 3 if args.quick else 7
     size = 1024
@@ -216,7 +235,9 @@ def main():
         warnings.simplefilter("ignore")  # trn2's one-time "no MX matmul path" (modelled below)
         _report(blockwise_and_mx_vs_bf16(pairs, 512), ("mm", "scaled"))
     modelled(4096)
-    bench_torchao(min(pairs, 3), args.quick)
+    bench_torchao(min(pairs, 3), *((256, 1024, 512) if args.quick else (512, 2048, 1024)))
+    if args.large:
+        bench_torchao(0, 1024, 4096, 2048)
     torch_neuronx.modelled_time(reset=True)
 
 

@@ -340,6 +340,110 @@ def test_scaled_grouped_mm_v2_rowwise():
         F.scaled_grouped_mm(n(a), n(b), n(sa), S.TensorWise, n(sb), S.TensorWise, offs=n(offs))
 
 
+# --- MX grouped GEMMs: every group's E8M0 scales blocked on their own (fbgemm's layout) ---
+def _mx_groups(x, bounds, fmt, dim):
+    """Quantizes each group of ``x`` (slices along ``dim``) on its own, as CUDA's tests and
+    torchao do: (data, flat blocked scales, float64 dequantized)."""
+    datas, scales, deqs = [], [], []
+    for s, e in bounds:
+        part = x.narrow(dim, s, e - s).contiguous()
+        if e > s:
+            d, sc, deq = _mx_reference(part, fmt)
+            datas.append(d), scales.append(to_blocked(sc).reshape(-1)), deqs.append(deq)
+    data = torch.cat([d.view(torch.uint8) for d in datas], dim).view(datas[0].dtype)  # no fp4 cat on CPU
+    return data, torch.cat(scales), torch.cat(deqs, dim)
+
+
+def _bounds(ends):
+    return list(zip([0] + ends[:-1], ends))
+
+
+@pytest.mark.parametrize("fmt,entry", [("mxfp8", "v1"), ("mxfp8", "v2"), ("mxfp4", "v2")])  # v1: E4M3 only
+def test_mx_grouped_2d_3d(fmt, entry):
+    g, m, k, nn = 3, 192, 160, 48
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(g, nn, k, generator=gen) * 3
+    if fmt == "mxfp4":
+        x, w = x.bfloat16(), w.bfloat16()
+    ends = [40, 40, 176]  # an empty group, rows past the last offset
+    a, sa, a64 = _mx_groups(x[:176], _bounds(ends), fmt, 0)
+    a = torch.cat((a.view(torch.uint8), a[:16].view(torch.uint8))).view(a.dtype)
+    a64 = torch.cat((a64, a64[:16]))
+    sa = torch.cat((sa, sa[:128 * _round4(k)]))  # the trailing rows' scales, which no group reads
+    ws = [_mx_reference(w[i], fmt) for i in range(g)]
+    b = torch.stack([d for d, _, _ in ws]).transpose(-2, -1)          # (G, K, N), column-major
+    sb = torch.stack([to_blocked(sc).reshape(-1) for _, sc, _ in ws])  # (G, blocked K x N)
+    offs = torch.tensor(ends, dtype=torch.int32)
+    if entry == "v1":
+        got = torch._scaled_grouped_mm(n(a), n(b), n(sa.reshape(-1, _round4(k))), n(sb), n(offs))
+    else:
+        got = F.scaled_grouped_mm(n(a), n(b), n(sa.reshape(-1, _round4(k))), S.BlockWise1x32, n(sb),
+                                  S.BlockWise1x32, swizzle_a=W.SWIZZLE_32_4_4, swizzle_b=W.SWIZZLE_32_4_4,
+                                  offs=n(offs))
+    assert got.shape == (m, nn) and got.dtype == torch.bfloat16
+    for i, (s, e) in enumerate(_bounds(ends)):
+        if e > s:
+            _check_one_rounding(got[s:e], a64[s:e], ws[i][2].t())
+
+
+def _round4(k):
+    return ((k // 32 + 3) // 4) * 4
+
+
+@pytest.mark.parametrize("fmt,entry", [("mxfp8", "v1"), ("mxfp8", "v2"), ("mxfp4", "v2")])  # v1: E4M3 only
+def test_mx_grouped_2d_2d_k_grouped(fmt, entry):
+    m, k, nn = 64, 320, 144
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(nn, k, generator=gen) * 2
+    if fmt == "mxfp4":
+        x, w = x.bfloat16(), w.bfloat16()
+    ends = [64, 64, 256, 320]
+    a, sa, a64 = _mx_groups(x, _bounds(ends), fmt, 1)
+    b, sb, b64 = _mx_groups(w, _bounds(ends), fmt, 1)
+    offs = torch.tensor(ends, dtype=torch.int32)
+    sa, sb = sa.reshape(128, -1), sb.reshape(256, -1)
+    if entry == "v1":
+        got = torch._scaled_grouped_mm(n(a), n(b).t(), n(sa), n(sb), n(offs))
+    else:
+        got = F.scaled_grouped_mm(n(a), n(b).t(), n(sa), S.BlockWise1x32, n(sb), S.BlockWise1x32,
+                                  swizzle_a=W.SWIZZLE_32_4_4, swizzle_b=W.SWIZZLE_32_4_4, offs=n(offs))
+    assert got.shape == (4, m, nn) and got.dtype == torch.bfloat16
+    for i, (s, e) in enumerate(_bounds(ends)):
+        if e > s:
+            _check_one_rounding(got[i], a64[:, s:e], b64[:, s:e].t())
+        else:
+            assert torch.equal(got[i].cpu(), torch.zeros(m, nn, dtype=torch.bfloat16))
+
+
+def test_mx_grouped_errors_as_cuda():
+    x = torch.randn(64, 64)
+    sa, qa = to_mxfp(x)
+    bsa = to_blocked(sa).reshape(128, -1)
+    b = torch.stack([qa, qa]).transpose(-2, -1)
+    bsb = torch.stack([to_blocked(sa).reshape(-1)] * 2)
+    offs = torch.tensor([32, 64], dtype=torch.int32)
+    kw = dict(swizzle_a=W.SWIZZLE_32_4_4, swizzle_b=W.SWIZZLE_32_4_4, offs=n(offs))
+    with pytest.raises(ValueError, match="For CUDA MXFP8 grouped gemm, both scale swizzle types must be SWIZZLE_32_4_4"):
+        F.scaled_grouped_mm(n(qa), n(b), n(bsa), S.BlockWise1x32, n(bsb), S.BlockWise1x32,
+                            swizzle_a=W.NO_SWIZZLE, swizzle_b=W.SWIZZLE_32_4_4, offs=n(offs))
+    with pytest.raises(RuntimeError, match=r"must have scale shape \(2,4,128\) for arg 1, got: 2, 256"):
+        F.scaled_grouped_mm(n(qa), n(b), n(bsa), S.BlockWise1x32, n(bsb[:, :256]), S.BlockWise1x32, **kw)
+    with pytest.raises(RuntimeError, match="scale must have same number of dimensions as parent tensor"):
+        F.scaled_grouped_mm(n(qa), n(b), n(bsa.reshape(-1)), S.BlockWise1x32, n(bsb), S.BlockWise1x32, **kw)
+    with pytest.raises(RuntimeError, match="scale_a has 512 elements, but the groups in offs need 1024"):
+        torch._scaled_grouped_mm(n(qa), n(b), n(bsa), n(bsb), n(offs))
+    with pytest.raises(ValueError, match="MXFP8 grouped GEMM currently only supports 2d-2d and 2d-3d cases"):
+        F.scaled_grouped_mm(n(torch.stack([qa, qa])), n(b), n(bsb), S.BlockWise1x32, n(bsb), S.BlockWise1x32,
+                            swizzle_a=W.SWIZZLE_32_4_4, swizzle_b=W.SWIZZLE_32_4_4)
+    with pytest.raises(RuntimeError, match="Expected inputs of E4M3 FP8 type"):
+        torch._scaled_grouped_mm(n(qa.to(E5)), n(b), n(bsa), n(bsb), n(offs))
+    with pytest.raises(ValueError, match="No gemm implementation was found"):
+        F.scaled_grouped_mm(n(qa.to(E5)), n(b.to(E5)), n(bsa), S.BlockWise1x32, n(bsb), S.BlockWise1x32, **kw)
+    with pytest.raises(ValueError, match=r"Expected mat_b shape to be divisible by 16 but got mat_b shape: "
+                                         r"\(\[2, 64, 40\]\)"):
+        torch._scaled_grouped_mm(n(qa), n(b[:, :, :40]), n(bsa), n(bsb), n(offs))
+
+
 # --- the cost model ---
 def _modelled(fn):
     torch.neuron.synchronize()
@@ -411,5 +515,20 @@ def test_grouped_charged_as_one_fp8_kernel():
     offs = n(torch.tensor([16, 32, 48, 64], dtype=torch.int32))
     sa, sb = n(torch.ones(64)), n(torch.ones(4, 32))
     t = _modelled(lambda: torch._scaled_grouped_mm(a, b, sa, sb, offs))
+    assert t.launches == 1 and list(t.by_op) == ["_scaled_grouped_mm"]
+    assert t.flops == pytest.approx(2.0 * 64 * 128 * 32)
+
+
+def test_mx_grouped_charged_as_one_mx_kernel():
+    x = torch.randn(64, 128)
+    sa, qa = to_mxfp(x)
+    b = n(torch.stack([qa[:32]] * 4).transpose(-2, -1))
+    bsb = n(torch.stack([to_blocked(sa[:32]).reshape(-1)] * 4))
+    offs = torch.tensor([16, 32, 48, 64], dtype=torch.int32)
+    bsa = torch.cat([to_blocked(sa[s:s + 16]).reshape(-1) for s in range(0, 64, 16)])
+    qa, bsa, offs = n(qa), n(bsa.reshape(-1, 4)), n(offs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # trn2's one-time MX warning, tested above
+        t = _modelled(lambda: torch._scaled_grouped_mm(qa, b, bsa, bsb, offs))
     assert t.launches == 1 and list(t.by_op) == ["_scaled_grouped_mm"]
     assert t.flops == pytest.approx(2.0 * 64 * 128 * 32)

@@ -346,3 +346,104 @@ def test_tiny_llama_bf16_trains(sr):
         losses.append(out.loss.float().item())
     assert all(np.isfinite(losses))
     assert losses[-1] < 0.7 * losses[0], losses
+
+
+# --- kernels that write device memory directly: scaled and grouped matmuls ------------------
+
+def _check_kernel_sr(fn, ref32, dtype=BF16, draws=200):
+    """``fn()`` (a bf16/fp16 kernel result) rounds the fp32 result ``ref32`` (computed on CPU)
+    stochastically: every outcome a neighbour, unbiased per element, reproducible under a seed."""
+    torch.manual_seed(11)
+    first = fn()
+    torch.manual_seed(11)
+    assert torch.equal(fn().cpu(), first.cpu())  # the device's generator decides
+    assert first.dtype == dtype
+    outs = torch.stack([fn().double().cpu() for _ in range(draws)])
+    ref = ref32.double()
+    # the gap above |ref| (NumPy's spacing of a negative power of two is the gap below it)
+    spacing = torch.tensor(np.spacing(np.abs(ref32.numpy()).astype(NP[dtype])).astype(np.float64))
+    assert ((outs - ref).abs() <= spacing + 1e-6 * ref.abs()).all()
+    # Bernoulli draws: standard deviation at most half a spacing
+    assert ((outs.mean(0) - ref).abs() <= 5 * spacing / 2 / np.sqrt(draws) + 1e-6 * ref.abs()).all()
+    assert (outs != outs[0]).any()
+
+
+def _fp8(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * 2).to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_scaled_mm_tensorwise_rowwise(sr, dtype):
+    a, b = _fp8((32, 64), 0), _fp8((48, 64), 1).t()
+    sa, sb = torch.rand(32, 1) + 0.5, torch.rand(1, 48) + 0.5
+    bias = torch.randn(48).to(dtype)
+    ad, bd, sad, sbd, biasd = (t.to(DEV) for t in (a, b, sa, sb, bias))
+    ref = torch._scaled_mm(a, b, sa, sb, out_dtype=torch.float32) + bias.float()
+    _check_kernel_sr(lambda: torch._scaled_mm(ad, bd, sad, sbd, bias=biasd, out_dtype=dtype), ref, dtype)
+    one = torch.tensor(1.0)
+    ref = torch._scaled_mm(a, b, one, one, out_dtype=torch.float32)
+    _check_kernel_sr(lambda: torch._scaled_mm(ad, bd, one.to(DEV), one.to(DEV), out_dtype=dtype), ref, dtype)
+
+
+def test_scaled_mm_mx(sr):
+    from torch.testing._internal.common_quantized import to_blocked, to_mxfp
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(64, 96, generator=g), torch.randn(32, 96, generator=g)
+    (sx, qx), (sw, qw) = to_mxfp(x), to_mxfp(w)
+    ref = (qx.float() * sx.float().repeat_interleave(32, 1)) @ (qw.float() * sw.float().repeat_interleave(32, 1)).t()
+    args = [t.to(DEV) for t in (qx, qw, to_blocked(sx), to_blocked(sw))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # trn2 has no MX path (a one-time warning)
+        _check_kernel_sr(lambda: torch._scaled_mm(args[0], args[1].t(), args[2], args[3],
+                                                  out_dtype=BF16), ref)
+
+
+def test_scaled_grouped_mm_rowwise(sr):
+    a, b = _fp8((64, 32), 3), _fp8((2, 48, 32), 4).transpose(-2, -1)
+    sa, sb = torch.rand(64) + 0.5, torch.rand(2, 48) + 0.5
+    offs = torch.tensor([24, 64], dtype=torch.int32)
+    ref = torch._grouped_mm(a.float() * sa[:, None], b.float() * sb[:, None, :], offs)
+    args = [t.to(DEV) for t in (a, b, sa, sb, offs)]
+    _check_kernel_sr(lambda: torch._scaled_grouped_mm(*args), ref)
+
+
+def test_grouped_mm(sr):
+    g = torch.Generator().manual_seed(6)
+    a, b = torch.randn(64, 32, generator=g).to(BF16), torch.randn(4, 32, 24, generator=g).to(BF16)
+    offs = torch.tensor([16, 16, 40, 64], dtype=torch.int32)
+    ref = torch._grouped_mm(a.float(), b.float(), offs)
+    ad, bd, od = a.to(DEV), b.to(DEV), offs.to(DEV)
+    _check_kernel_sr(lambda: torch._grouped_mm(ad, bd, od), ref)
+
+
+def test_kernels_off_stay_cpus_bits():
+    assert not _stochastic_rounding_enabled()
+    a, b = _fp8((32, 64), 0), _fp8((48, 64), 1).t()
+    one = torch.tensor(1.0)
+    got = torch._scaled_mm(a.to(DEV), b.to(DEV), one.to(DEV), one.to(DEV), out_dtype=BF16)
+    assert torch.equal(got.cpu(), torch._scaled_mm(a, b, one, one, out_dtype=BF16))
+    x, w = torch.randn(64, 32).to(BF16), torch.randn(4, 32, 24).to(BF16)
+    offs = torch.tensor([16, 16, 40, 64], dtype=torch.int32)
+    got = torch._grouped_mm(x.to(DEV), w.to(DEV), offs.to(DEV))
+    assert torch.equal(got.cpu(), torch._grouped_mm(x, w, offs))
+
+
+def test_scaled_grouped_mm_mx(sr):
+    from torch.testing._internal.common_quantized import to_blocked, to_mxfp
+    g = torch.Generator().manual_seed(8)
+    x, w = torch.randn(64, 64, generator=g), torch.randn(2, 32, 64, generator=g)
+    parts = [to_mxfp(x[:24]), to_mxfp(x[24:])]  # each group's scales blocked on their own
+    qx = torch.cat([q for _, q in parts])
+    sx = torch.cat([to_blocked(s).reshape(-1) for s, _ in parts]).reshape(-1, 4)
+    ws = [to_mxfp(w[i]) for i in range(2)]
+    qw = torch.stack([q for _, q in ws]).transpose(-2, -1)
+    sw = torch.stack([to_blocked(s).reshape(-1) for s, _ in ws])
+    offs = torch.tensor([24, 64], dtype=torch.int32)
+    deq = lambda q, s: q.float() * s.float().repeat_interleave(32, 1)  # noqa: E731
+    xf = torch.cat([deq(q, s) for s, q in parts])
+    ref = torch.cat([xf[:24] @ deq(ws[0][1], ws[0][0]).t(), xf[24:] @ deq(ws[1][1], ws[1][0]).t()])
+    args = [t.to(DEV) for t in (qx, qw, sx, sw, offs)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # trn2 has no MX path (a one-time warning)
+        _check_kernel_sr(lambda: torch._scaled_grouped_mm(*args), ref)

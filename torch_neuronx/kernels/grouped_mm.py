@@ -6,18 +6,20 @@ neuron a MoE layer paid a device synchronisation and a launch per expert, and th
 model saw G small matmuls. Here the call runs CPU's kernel once on the device tensors' host
 memory (results bit-identical to CPU) and is charged as one kernel: NKI-lib's grouped
 matmul at the call's shape (``torch_neuronx.kernels.nkilib_routes.grouped_mm_seconds``).
+With ``NEURON_RT_STOCHASTIC_ROUNDING_EN`` on, a bf16/fp16 result is the fp32 one rounded
+stochastically (``kernels.stochastic_rounding``).
 """
 from __future__ import annotations
 
 import torch
 
 from .. import _C, cost_model
+from . import stochastic_rounding
 
 _lib = torch.library.Library("aten", "IMPL")
 
 
 def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
-    from . import nkilib_routes
     dev = mat_a.device
     for name, t in (("mat2", mat_b), ("offs", offs), ("bias", bias)):
         if t is not None and t.device != dev:
@@ -29,12 +31,31 @@ def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     # CPU's kernel reads the group offsets on the host, as PyTorch's generic one does
     # (_cpu_alias waits for the queued work on the device first).
     host = [_C._cpu_alias(t) if t is not None else None for t in (mat_a, mat_b, offs, bias)]
+    idx = dev.index if dev.index is not None else torch.neuron.current_device()
+    narrow = out_dtype or mat_a.dtype
+    if narrow in (torch.bfloat16, torch.float16) and stochastic_rounding._stochastic_rounding_enabled():
+        # The switch on: the fp32 result, rounded once stochastically on the device, as the
+        # hardware writes PSUM out (CPU's kernel would round to nearest even inside).
+        torch.ops.aten._grouped_mm(*(_meta(t) for t in (mat_a, mat_b, offs, bias)), out_dtype)  # CPU's checks
+        wide = torch._grouped_mm(*(t.float() if t is not None and t.is_floating_point() else t
+                                   for t in host), out_dtype=torch.float32)
+        _charge(dev, mat_a, mat_b, offs, wide.nbytes // 2)
+        return stochastic_rounding._round(_C._adopt_tensor(wide, idx), narrow)
     out = torch._grouped_mm(*host[:2], host[2], host[3], out_dtype)
+    _charge(dev, mat_a, mat_b, offs, out.nbytes)
+    return _C._adopt_tensor(out, idx)
+
+
+def _meta(t):
+    return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def _charge(dev, mat_a, mat_b, offs, out_nbytes):
+    from . import nkilib_routes
     seconds, flops = nkilib_routes.grouped_mm_seconds(tuple(mat_a.shape), tuple(mat_b.shape),
                                                       mat_a.dtype, offs)
     cost_model._add_time(dev, "_grouped_mm", seconds, engine="tensor", flops=flops,
-                         hbm_bytes=mat_a.nbytes + mat_b.nbytes + out.nbytes)
-    return _C._adopt_tensor(out, dev.index if dev.index is not None else torch.neuron.current_device())
+                         hbm_bytes=mat_a.nbytes + mat_b.nbytes + out_nbytes)
 
 
 _lib.impl("_grouped_mm", _grouped_mm, "PrivateUse1")

@@ -4,7 +4,7 @@ CPU's ``_scaled_mm`` takes tensorwise and rowwise scales only; CUDA's also takes
 blockwise scales (1x128 activations, 128x128 weights) and MX (MXFP8/MXFP4 with E8M0 scales
 per 32 elements, in cuBLAS's swizzled layout), and ``_scaled_grouped_mm`` is CUDA's alone.
 Trainium has FP8 matmuls (and Trainium3 MX ones), so neuron takes CUDA's FP8 and MX forms
-(NVFP4, NVIDIA's own, is refused naming MXFP4; MX grouped GEMMs are not done yet):
+(NVFP4, NVIDIA's own, is refused naming MXFP4):
 
 * tensorwise and rowwise run CPU's kernel on the device tensors' host memory, so results are
   bit-identical to CPU;
@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from .. import _C, _state, cost_model
+from . import stochastic_rounding
 
 _lib = torch.library.Library("aten", "IMPL")
 
@@ -164,16 +165,17 @@ def _unswizzle(s, rows, kblocks):
     return tiles.reshape(nrb * 128, ncb * 4)[:rows, :kblocks]
 
 
-def _dequantized_mm(a, b, sa, sb, ra, rb, bias, out_dtype):
+def _dequantized_mm(a, b, sa, sb, ra, rb, bias):
     """Blockwise and MX: (M, K) x (K, N) with scales normalised to (blocks of A along M, along
-    K) and (blocks of B along K, along N); fp32 accumulation, bias in fp32, one rounding."""
+    K) and (blocks of B along K, along N); fp32 accumulation, bias in fp32 (the caller rounds
+    once)."""
     blocks = {_B1x128: (1, 128), _B128x128: (128, 128), _B1x32: (1, 32)}
     af = _scale_blocks(_to_float(a, 1), sa, *blocks[ra])
     bf = _scale_blocks(_to_float(b, 0), sb, *reversed(blocks[rb]))
     out = torch.mm(af, bf)
     if bias is not None:
         out += bias.float()
-    return out.to(out_dtype)
+    return out
 
 
 # --- checks shared by the entries ---
@@ -239,6 +241,28 @@ def _adopt(out, dev):
     return _C._adopt_tensor(out, _index(dev))
 
 
+def _stochastic(out_dtype):
+    return (out_dtype in (torch.bfloat16, torch.float16)
+            and stochastic_rounding._stochastic_rounding_enabled())
+
+
+def _finish(out, out_dtype, dev):
+    """The host fp32 result ``out`` rounded once to ``out_dtype`` on ``dev``: to nearest even,
+    or, with NEURON_RT_STOCHASTIC_ROUNDING_EN on, stochastically from the device's generator,
+    as the hardware rounds the PSUM result when it writes it out."""
+    if _stochastic(out_dtype):
+        return stochastic_rounding._round(_adopt(out, dev), out_dtype)
+    return _adopt(out.to(out_dtype), dev)
+
+
+def _out_meta(shape, dtype):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _sizes(t):
+    return str(list(t.shape))
+
+
 def _host(*ts):
     return [_C._cpu_alias(t) if t is not None else None for t in ts]
 
@@ -259,6 +283,16 @@ def _scaled_mm(self, mat2, scale_a, scale_b, bias=None, scale_result=None, out_d
     ra, rb = _joint_scaling(self, mat2, scale_a, scale_b)
     if ra in (_TW, _RW):
         host = _host(self, mat2, scale_a, scale_b, bias, scale_result)
+        if _stochastic(out_dtype):
+            # CPU's kernel rounds inside; the fp32 product plus the bias in fp32 rounds here.
+            _check_bias(bias, out_dtype, mat2.size(1))
+            wide = torch._scaled_mm(*host[:4], scale_result=host[5], out_dtype=torch.float32,
+                                    use_fast_accum=use_fast_accum)
+            if bias is not None:
+                wide += host[4].float()
+            _charge(dev, op, _mm_dims(self, wide), (self, mat2, scale_a, scale_b, bias,
+                                                     _out_meta(wide.shape, out_dtype)), "float8")
+            return _finish(wide, out_dtype, dev)
         out = torch._scaled_mm(*host[:4], bias=host[4], scale_result=host[5], out_dtype=out_dtype,
                                use_fast_accum=use_fast_accum)
         _charge(dev, op, _mm_dims(self, out), (self, mat2, scale_a, scale_b, bias, out), "float8")
@@ -291,12 +325,12 @@ def _blocked(op, dev, a, b, scale_a, scale_b, ra, rb, bias, out_dtype, v2):
         if v2 and rb == _B128x128:   # (round_up(K/128, 4), N/128)
             sb = sb[:kb]
     if m == 0 or n == 0 or k == 0:
-        out = torch.zeros(m, n, dtype=out_dtype)
+        out = torch.zeros(m, n)
     else:
-        out = _dequantized_mm(ha, hb, sa, sb, ra, rb, hbias, out_dtype)
-    _charge(dev, op, _mm_dims(a, out), (a, b, scale_a, scale_b, bias, out),
+        out = _dequantized_mm(ha, hb, sa, sb, ra, rb, hbias)
+    _charge(dev, op, _mm_dims(a, out), (a, b, scale_a, scale_b, bias, _out_meta(out.shape, out_dtype)),
             "mx" if ra == _B1x32 else "float8")
-    return _adopt(out, dev)
+    return _finish(out, out_dtype, dev)
 
 
 def _into(out, value):
@@ -395,11 +429,19 @@ def _scaled_mm_v2(self, mat2, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, s
     ra, rb = recipe
     if ra in (_TW, _RW):
         ha, hb, hbias = _host(self, mat2, bias)
+        sr = _stochastic(out_dtype)
+        if sr:
+            _check_bias(bias, out_dtype, mat2.size(1), ValueError)
         out = torch.ops.aten._scaled_mm_v2(ha, hb, _host(*scale_a), recipe_a, swizzle_a, _host(*scale_b),
-                                           recipe_b, swizzle_b, hbias, out_dtype, contraction_dim,
+                                           recipe_b, swizzle_b, None if sr else hbias,
+                                           torch.float32 if sr else out_dtype, contraction_dim,
                                            use_fast_accum)
-        _charge(dev, op, _mm_dims(self, out), (self, mat2, *scale_a, *scale_b, bias, out), "float8")
-        return _adopt(out, dev)
+        if sr and bias is not None:
+            out += hbias.float()
+        _charge(dev, op, _mm_dims(self, out),
+                (self, mat2, *scale_a, *scale_b, bias, _out_meta(out.shape, out_dtype if sr else out.dtype)),
+                "float8")
+        return _finish(out, out_dtype, dev) if sr else _adopt(out, dev)
     if ra == _B1x16:
         raise _nvfp4(op)
     out_dtype = out_dtype if out_dtype is not None else self.dtype
@@ -428,7 +470,7 @@ _lib.impl("_scaled_mm_v2", _scaled_mm_v2, "PrivateUse1")
 _lib.impl("_scaled_mm_v2.out", _scaled_mm_v2_out, "PrivateUse1")
 
 
-# --- torch._scaled_grouped_mm and _v2 (scaled_grouped_mm): FP8 grouped GEMM, rowwise, for MoE ---
+# --- torch._scaled_grouped_mm and _v2 (scaled_grouped_mm): FP8 rowwise and MX grouped GEMMs, for MoE ---
 def _meta(t):
     return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
@@ -442,18 +484,21 @@ def _scaled_grouped_mm(self, mat2, scale_a, scale_b, offs=None, bias=None, scale
     # PyTorch's meta function carries CUDA's checks (Blas.cpp) with CUDA's messages.
     torch.ops.aten._scaled_grouped_mm(*map(_meta, (self, mat2, scale_a, scale_b, offs, bias, scale_result)),
                                       out_dtype, use_fast_accum)
+    _check_multiple_of_16(self, mat2)  # CUDA's, past what the meta function checks
     if scale_a.dtype == _E8M0:
-        raise NotImplementedError(
-            f"aten::{op}: MXFP8 grouped GEMM (float8_e8m0fnu scales) is not implemented on neuron yet; "
-            "use rowwise float32 scales, or torch._scaled_mm per group")
-    out = _rowwise_grouped(self, mat2, scale_a, scale_b, offs, out_dtype or torch.bfloat16)
-    _charge(dev, op, _grouped_dims(self, mat2), (self, mat2, scale_a, scale_b, out), "float8")
-    return _adopt(out, dev)
+        _check_scales_blocked(self, scale_a, 0)
+        _check_scales_blocked(mat2, scale_b, 1)
+        return _mx_grouped(op, dev, self, mat2, scale_a, scale_b, offs)
+    out = _rowwise_grouped(self, mat2, scale_a, scale_b, offs)
+    out_dtype = out_dtype or torch.bfloat16
+    _charge(dev, op, _grouped_dims(self, mat2), (self, mat2, scale_a, scale_b, _out_meta(out.shape, out_dtype)),
+            "float8")
+    return _finish(out, out_dtype, dev)
 
 
-def _rowwise_grouped(a, b, scale_a, scale_b, offs, out_dtype):
-    """The grouped product on host memory: operands dequantized by their row (A) and column
-    (B) scales, one grouped matmul in fp32, one rounding."""
+def _rowwise_grouped(a, b, scale_a, scale_b, offs):
+    """The grouped product on host memory, in fp32: operands dequantized by their row (A) and
+    column (B) scales, one grouped matmul (the caller rounds once)."""
     ha, hb, sa, sb, hoffs = _host(a, b, scale_a, scale_b, offs)
     af, bf = ha.float(), hb.float()
     if ha.dim() == 2 and hb.dim() == 2:  # K grouped: one scale per row of A and column of B per group
@@ -465,7 +510,7 @@ def _rowwise_grouped(a, b, scale_a, scale_b, offs, out_dtype):
     else:
         af.mul_(sa[..., None])
         bf.mul_(sb[:, None, :] if hb.dim() == 3 else sb[None, :])
-    return torch._grouped_mm(af, bf, hoffs).to(out_dtype)
+    return torch._grouped_mm(af, bf, hoffs)
 
 
 def _check_rowwise_scale(mat, scale, dim, arg, multiplier):
@@ -504,6 +549,7 @@ def _scaled_grouped_mm_v2(self, mat2, scale_a, recipe_a, swizzle_a, scale_b, rec
     two_d = self.dim() == 2 or mat2.dim() == 2
     if not (self.dim() == 2 and mat2.dim() == 2) and self.size(-1) != mat2.size(-2):
         raise ValueError("contraction dimension of mat_a and mat_b must match")
+    _check_multiple_of_16(self, mat2)
     if bias is not None:
         raise ValueError("Bias not supported yet")
     if (offs is not None) != two_d:
@@ -518,21 +564,129 @@ def _scaled_grouped_mm_v2(self, mat2, scale_a, recipe_a, swizzle_a, scale_b, rec
     rowwise = (list(recipe_a) == [_RW] and list(recipe_b) == [_RW] and _is_fp8(self) and _is_fp8(mat2)
                and scale_a[0].dtype == torch.float32 and scale_b[0].dtype == torch.float32)
     if not rowwise:
-        if _B1x32 in list(recipe_a):
-            raise NotImplementedError(f"aten::{op}: MX grouped GEMM (BlockWise1x32 scales) is not implemented on "
-                                      "neuron yet; use RowWise scales")
-        raise ValueError("No gemm implementation was found")
+        kind = _mx_grouped_recipe(self, mat2, scale_a, recipe_a, scale_b, recipe_b)
+        if kind is None:
+            raise ValueError("No gemm implementation was found")
+        if kind == "nvfp4":
+            raise _nvfp4(op)
+        _check_scales_blocked(self, scale_a[0], 0)
+        _check_scales_blocked(mat2, scale_b[0], 1)
+        if kind == "mxfp8" and not (list(swizzle_a)[:1] == [_SWIZZLE_32_4_4]
+                                    and list(swizzle_b)[:1] == [_SWIZZLE_32_4_4]):
+            raise ValueError("For CUDA MXFP8 grouped gemm, both scale swizzle types must be SWIZZLE_32_4_4")
+        return _mx_grouped(op, dev, self, mat2, scale_a[0], scale_b[0], offs)
     multiplier = offs.size(0) if self.dim() == 2 and mat2.dim() == 2 else 1
     _check_rowwise_scale(self, scale_a[0], 0, 0, multiplier)
     _check_rowwise_scale(mat2, scale_b[0], 1, 1, multiplier)
-    out = _rowwise_grouped(self, mat2, scale_a[0], scale_b[0], offs, out_dtype)
-    _charge(dev, op, _grouped_dims(self, mat2), (self, mat2, scale_a[0], scale_b[0], out), "float8")
-    return _adopt(out, dev)
+    out = _rowwise_grouped(self, mat2, scale_a[0], scale_b[0], offs)
+    _charge(dev, op, _grouped_dims(self, mat2),
+            (self, mat2, scale_a[0], scale_b[0], _out_meta(out.shape, out_dtype)), "float8")
+    return _finish(out, out_dtype, dev)
+
+
+def _check_multiple_of_16(a, b):
+    if a.size(-1) % 16 != 0:
+        raise ValueError(f"Expected trailing dimension of mat_a to be divisible by 16 but got mat1 shape: "
+                         f"({_sizes(a)}).")
+    if b.size(-2) % 16 != 0 or b.size(-1) % 16 != 0:
+        raise ValueError(f"Expected mat_b shape to be divisible by 16 but got mat_b shape: ({_sizes(b)}).")
+
+
+def _mx_grouped_recipe(a, b, sa, ra, sb, rb):
+    """CUDA's grouped dispatch past rowwise (check_mxfp8/mxfp4/nvfp4_recipe): the kind, or None."""
+    ra, rb = list(ra), list(rb)
+    single = len(sa) == len(ra) == len(sb) == len(rb) == 1
+    if single and ra[0] == rb[0] == _B1x32 and sa[0].dtype == sb[0].dtype == _E8M0:
+        if a.dtype == b.dtype == torch.float8_e4m3fn:
+            return "mxfp8"
+        if a.dtype == b.dtype == _FP4:
+            return "mxfp4"
+    if a.dtype == b.dtype == _FP4 and ra[:1] == rb[:1] == [_B1x16]:
+        return "nvfp4"
+    return None
+
+
+def _check_scales_blocked(mat, scale, arg):
+    """CUDA's shape checks of E8M0 grouped scales (GroupedBlas.cpp), with its messages: a 2-D
+    operand's groups are only known from ``offs`` (checked in :func:`_mx_grouped`)."""
+    if mat.dim() == 2:
+        if scale.dim() != mat.dim():
+            raise RuntimeError("for block-scaled, scale must have same number of dimensions as parent tensor, but "
+                               f"got mat.dim() = {mat.dim()} and scale.dim() = {scale.dim()} for arg {arg}")
+        d = 0 if arg == 0 else 1
+        if scale.size(0) < mat.size(d):
+            raise RuntimeError(f"for block-scaled, arg {arg} tensor shape ({mat.size(0)}, {mat.size(1)}) must have "
+                               f"scale.shape[0] >= {mat.size(d)} but got scale.shape=({scale.size(0)}, "
+                               f"{scale.size(1)})")
+        return
+    g, k, n = mat.shape
+    k *= 2 if mat.dtype == _FP4 else 1
+    bk, bn = _round_up(k // 32, 4), _round_up(n, 128)
+    if scale.dim() != mat.dim() - 1:
+        raise RuntimeError("for block-scaled 2d-3d grouped GEMM, the 3d tensor of shape (G,K,N) must have a 2d "
+                           "scale of shape (G, blocked_scale_K * blocked_scale_N),but scale is "
+                           f"{scale.dim()}D for arg {arg}")
+    if not (scale.size(0) == g and scale.size(1) == bk * bn):
+        raise RuntimeError(f"for block-scaled grouped GEMM, the tensor shape ({g}, {k}, {n}) must have scale shape "
+                           f"({g},{bk},{bn}) for arg {arg}, got: {scale.size(0)}, {scale.size(1)}")
+
+
+def _group_bounds(op, offs, size, what):
+    ends = offs.tolist()
+    if any(e < s for s, e in zip([0] + ends, ends)) or (ends and ends[-1] > size):
+        raise RuntimeError(f"aten::{op}: offs must be non-decreasing and at most {what} = {size}, got {ends}")
+    return list(zip([0] + ends[:-1], ends))
+
+
+def _scale_segments(op, scale, name, sizes):
+    """Splits a flat E8M0 scale tensor into the groups' blocked scales, group after group."""
+    flat = scale.reshape(-1)
+    if sum(sizes) > flat.numel():
+        raise RuntimeError(
+            f"aten::{op}: {name} has {flat.numel()} elements, but the groups in offs need {sum(sizes)}: each "
+            "group's scales are blocked on their own, round_up(rows, 128) x round_up(ceil(K / 32), 4) per group")
+    return flat[:sum(sizes)].split(sizes)
+
+
+def _mx_grouped(op, dev, a, b, scale_a, scale_b, offs):
+    """MXFP8/MXFP4 grouped GEMM, 2d-2d (groups along K) and 2d-3d (groups along M), as
+    fbgemm's kernels behind CUDA's: every group's scales blocked (32x4x4-swizzled) on their
+    own. Operands dequantized exactly, one fp32 grouped matmul, one rounding to bf16."""
+    kind = "MXFP8" if _is_fp8(a) else "MXFP4"
+    if not (a.dim() == 2 and b.dim() in (2, 3)):
+        raise ValueError(f"{kind} grouped GEMM currently only supports 2d-2d and 2d-3d cases")
+    if offs is None:
+        raise ValueError(f"{kind} 2d-2d and 2d-3d grouped GEMMs requires offsets")
+    ha, hb, sa, sb, hoffs = _host(a, b, scale_a, scale_b, offs)
+    k = a.size(1) * (2 if a.dtype == _FP4 else 1)
+    af, bf = _to_float(ha, 1), _to_float(hb, b.dim() - 2)
+    if b.dim() == 2:
+        m, n = a.size(0), b.size(1)
+        groups = _group_bounds(op, hoffs, k, "K")
+        seg_a = _scale_segments(op, sa, "scale_a", [_mx_elems(m, e - s) for s, e in groups])
+        seg_b = _scale_segments(op, sb, "scale_b", [_mx_elems(n, e - s) for s, e in groups])
+        for (s, e), ga, gb in zip(groups, seg_a, seg_b):
+            if e > s:
+                kb = _cdiv(e - s, 32)
+                _scale_blocks(af[:, s:e], _unswizzle(ga, m, kb), 1, 32)
+                _scale_blocks(bf[s:e], _unswizzle(gb, n, kb).t(), 32, 1)
+    else:
+        kb, n = _cdiv(k, 32), b.size(2)
+        groups = _group_bounds(op, hoffs, a.size(0), "M")
+        seg_a = _scale_segments(op, sa, "scale_a", [_mx_elems(e - s, k) for s, e in groups])
+        for (s, e), ga in zip(groups, seg_a):
+            if e > s:
+                _scale_blocks(af[s:e], _unswizzle(ga, e - s, kb), 1, 32)
+        for g in range(b.size(0)):
+            _scale_blocks(bf[g], _unswizzle(sb[g], n, kb).t(), 32, 1)
+    out = torch._grouped_mm(af, bf, hoffs)
+    _charge(dev, op, _grouped_dims(a, b), (a, b, scale_a, scale_b, _out_meta(out.shape, torch.bfloat16)), "mx")
+    return _finish(out, torch.bfloat16, dev)
 
 
 def _grouped_dims(a, b):
     """One grouped kernel: every row of A meets one group's columns."""
-    k = a.size(-1)
+    k = a.size(-1) * (2 if a.dtype == _FP4 else 1)
     if a.dim() == 3 and b.dim() == 3:
         return (a.size(0), a.size(1), k, b.size(2))
     return (1, a.size(-2), k, b.size(-1))
