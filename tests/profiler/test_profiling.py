@@ -85,9 +85,9 @@ def test_parquet_schema_is_stable(tmp_path):
     digest = hashlib.sha256(repr([(t, [(c, str(ty)) for c, ty, _ in f]) for t, f in SCHEMA.items()])
                             .encode()).hexdigest()[:16]
     # Changing a column changes the digest: bump PROFILE_SCHEMA_VERSION with it.
-    assert (PROFILE_SCHEMA_VERSION, digest) == ("1.1.0", "1e969dc11d134537")
+    assert (PROFILE_SCHEMA_VERSION, digest) == ("1.2.0", "aa6ec36c094641da")
     meta = dict(pq.read_table(os.path.join(path, "Metadata.parquet")).to_pandas().values)
-    assert meta["profile_schema_version"] == "1.1.0"
+    assert meta["profile_schema_version"] == "1.2.0"
     fields = pq.read_table(os.path.join(path, "SchemaFields.parquet")).to_pandas()
     ev = pq.read_table(os.path.join(path, "SystemProfileEvents.parquet"))
     assert list(fields[fields.table == "SystemProfileEvents"].column) == ev.schema.names
@@ -103,7 +103,15 @@ def test_env_var_route_profiles_unchanged_script(tmp_path):
                NEURON_RT_INSPECT_OUTPUT_DIR=str(tmp_path / "out"))
     subprocess.run([sys.executable, str(script)], env=env, check=True, capture_output=True, timeout=120)
     ev = pq.read_table(str(tmp_path / "out" / "trace_0" / "SystemProfileEvents.parquet")).to_pandas()
-    assert "mm" in set(ev[ev.source == "hardware"].name)
+    hw = ev[ev.source == "hardware"]
+    assert "mm" in set(hw.name)
+    # device events traced by the Kineto plugin (timed, correlated), not cost-model intervals
+    meta = dict(pq.read_table(str(tmp_path / "out" / "trace_0" / "Metadata.parquet")).to_pandas().values)
+    assert meta["hardware_source"] == "kineto"
+    mm = hw[hw.name == "mm"].iloc[0]
+    assert mm.duration_ns >= 0 and mm.modelled_ns > 0
+    launcher = ev[(ev.source == "framework") & (ev.correlation_id == mm.correlation_id)]
+    assert launcher.name.tolist() == ["aten::mm"]
 
 
 def test_compiled_graph_kernels_get_lanes(tmp_path):

@@ -120,7 +120,7 @@ class NeuronProfiler:
         trace = _chrome_trace(prof, file)
         table = export_parquet(path, host_events=prof.events(), device_events=device,
                                kernel_meta=_kernel_args(trace), cores=self.config.cores,
-                               max_per_device=self.config.max_events_per_nc)
+                               max_per_device=self.config.max_events_per_nc, trace=trace)
         _add_lanes(trace, table, file)
         return path
 
@@ -196,7 +196,9 @@ def _start_from_env() -> None:
     import torch
     cfg = NeuronConfig()
     handler = NeuronProfiler(cfg)
-    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=False,
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                              torch.profiler.ProfilerActivity.PrivateUse1],
+                                  with_stack=False,
                                   experimental_config=cfg, on_trace_ready=handler.export_trace)
     prof.start()
 

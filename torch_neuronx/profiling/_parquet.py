@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from torch.autograd import DeviceType
 
-PROFILE_SCHEMA_VERSION = "1.1.0"
+PROFILE_SCHEMA_VERSION = "1.2.0"
 
 # The Kineto plugin's host-side event for each kernel (csrc/profiler/kineto_plugin.cpp).
 RUNTIME_EVENT = "neuronLaunchKernel"
@@ -34,6 +34,14 @@ SCHEMA = {
         ("correlation_id", pa.int64(), "torch.profiler's id of the op: its own for framework events, the launching op's for runtime and hardware events; -1 when unknown"),
         ("source_file", pa.string(), "Python file of the innermost user frame of the op (of the launching op for runtime and hardware events; with_stack=True)"),
         ("source_line", pa.int32(), "line in source_file; -1 when unknown"),
+    ],
+    "DeviceMemory": [
+        ("time_ns", pa.int64(), "when the neuron caching allocator handed out or took back a block (profile_memory=True), ns on start_ns's clock"),
+        ("device", pa.int32(), "neuron device index"),
+        ("addr", pa.int64(), "block address"),
+        ("bytes", pa.int64(), "block size: positive for an allocation, negative for a free"),
+        ("total_allocated", pa.int64(), "bytes allocated on the device after this event (the allocator's allocated_bytes.all.current)"),
+        ("total_reserved", pa.int64(), "bytes the allocator holds from the device after this event (reserved_bytes.all.current)"),
     ],
     "Metadata": [
         ("key", pa.string(), "metadata key (profile_schema_version, event counts, hardware_source)"),
@@ -210,10 +218,30 @@ def events_table(host_events=(), device_events=(), kernel_meta=None, cores=None,
     return _table("SystemProfileEvents", cols)
 
 
+def memory_table(trace: dict) -> pa.Table:
+    """The neuron allocator's ``[memory]`` events of a chrome trace (torch.profiler with
+    ``profile_memory=True``), timed from the first host event as ``_add_lanes`` does."""
+    events = trace.get("traceEvents", [])
+    host_ts = [e["ts"] for e in events if e.get("ph") == "X" and e.get("cat") != "kernel"]
+    origin = min(host_ts) if host_ts else 0.0
+    mem = [e for e in events if e.get("name") == "[memory]"
+           and e.get("args", {}).get("Device Type") == int(DeviceType.PrivateUse1)]
+    mem.sort(key=lambda e: e["ts"])
+    a = [e["args"] for e in mem]
+    return _table("DeviceMemory", {
+        "time_ns": np.asarray([round((e["ts"] - origin) * 1e3) for e in mem], dtype=np.int64),
+        "device": np.asarray([x["Device Id"] for x in a], dtype=np.int32),
+        "addr": np.asarray([x["Addr"] for x in a], dtype=np.int64),
+        "bytes": np.asarray([x["Bytes"] for x in a], dtype=np.int64),
+        "total_allocated": np.asarray([x["Total Allocated"] for x in a], dtype=np.int64),
+        "total_reserved": np.asarray([x["Total Reserved"] for x in a], dtype=np.int64)})
+
+
 def export_parquet(path: str, host_events=(), device_events=(), kernel_meta=None, cores=None,
-                   max_per_device=None):
+                   max_per_device=None, trace=None):
     """Writes the tables into directory ``path``; returns the SystemProfileEvents table.
-    Arguments as ``events_table``'s."""
+    Arguments as ``events_table``'s; ``trace``: the chrome trace, whose memory events make
+    the DeviceMemory table."""
     os.makedirs(path, exist_ok=True)
     events = events_table(host_events, device_events, kernel_meta, cores, max_per_device)
     src = events["source"].to_numpy(zero_copy_only=False)
@@ -226,6 +254,7 @@ def export_parquet(path: str, host_events=(), device_events=(), kernel_meta=None
             "hardware_source": "kineto" if traced else "cost_model"}
     tables = {
         "SystemProfileEvents": events,
+        "DeviceMemory": memory_table(trace or {}),
         "Metadata": _table("Metadata", {"key": list(meta), "value": list(meta.values())}),
         "SchemaFields": _table("SchemaFields", {
             "table": [t for t, f in SCHEMA.items() for _ in f],

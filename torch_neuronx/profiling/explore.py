@@ -9,6 +9,8 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from .. import _state
+from ._comm import communication
+from ._fusion import fusion_opportunities
 
 
 def report(path: str, top: int = 10) -> dict:
@@ -55,8 +57,25 @@ def report(path: str, top: int = 10) -> dict:
                                      for (f, ln), v in lines.items()],
         "top_source_lines_modelled_ns": [{"file": f, "line": int(ln), "modelled_ns": int(v)}
                                          for (f, ln), v in dev_lines.items()],
+        "fusion_opportunities": fusion_opportunities(hw, launch_ns, top),
+        **communication(hw, _union, _overlap, top),
         **_timeline_analysis(traced, host, top),
+        "device_memory": _memory(path),
     }
+
+
+def _memory(path: str) -> dict:
+    """Per device: peak and final allocated/reserved bytes from the DeviceMemory table (empty
+    unless the profile ran with profile_memory=True)."""
+    f = os.path.join(path, "DeviceMemory.parquet")
+    if not os.path.exists(f):  # traces exported before schema 1.2.0
+        return {}
+    m = pq.read_table(f).to_pandas()
+    return {str(d): {"events": int(len(g)), "peak_allocated": int(g.total_allocated.max()),
+                     "peak_reserved": int(g.total_reserved.max()),
+                     "final_allocated": int(g.total_allocated.iloc[-1]),
+                     "final_reserved": int(g.total_reserved.iloc[-1])}
+            for d, g in m.groupby("device")}
 
 
 def _bound(r, launch_ns: float, profile) -> str:
@@ -143,6 +162,24 @@ def format_text(r: dict) -> str:
     out.append("top source lines by host time:")
     for s in r["top_source_lines_host_ns"]:
         out.append(f"  {s['file']}:{s['line']}  {s['host_ns'] / 1e3:.1f} us")
+    if r["communication_ns"]:
+        out.append(f"communication {r['communication_ns'] / 1e3:.1f} us modelled: "
+                   f"{r['communication_exposed_ns'] / 1e3:.1f} us exposed, "
+                   f"{r['communication_overlapped_ns'] / 1e3:.1f} us overlapped by compute on other queues")
+        if r["communication_exposed_ns"] > 0.25 * r["modelled_ns"]:
+            out.append("bottleneck: exposed communication (overlap collectives with compute on "
+                       "another stream, or bucket them)")
+        for c in r["collectives"][:5]:
+            out.append(f"  {c['name']} on neuron:{c['device']} q{c['queue']}: "
+                       f"{c['exposed_ns'] / 1e3:.1f} us exposed of {c['modelled_ns'] / 1e3:.1f} us")
+    if r["fusion_opportunities"]:
+        out.append("fusion opportunities (small elementwise kernels run back to back, unfused):")
+        for c in r["fusion_opportunities"][:5]:
+            where = ", ".join(f"{s['file']}:{s['line']}" for s in c["source_lines"][:4])
+            out.append(f"  {c['launches']} launches on neuron:{c['device']} q{c['queue']} "
+                       f"({' -> '.join(c['kernels'][:6])}): one kernel would save "
+                       f"{c['saved_ns'] / 1e3:.1f} us of {c['modelled_ns'] / 1e3:.1f} us"
+                       + (f" [{where}]" if where else ""))
     if r["device_busy_ns"]:
         out.append(f"device busy {r['device_busy_ns'] / 1e3:.1f} us (host execution), idle between "
                    f"kernels {r['idle_ns'] / 1e3:.1f} us; {100 * r['host_overlap_share']:.0f}% of "
@@ -150,6 +187,9 @@ def format_text(r: dict) -> str:
         for g in r["idle_gaps"][:5]:
             out.append(f"  idle {g['idle_ns'] / 1e3:.1f} us on neuron:{g['device']} before "
                        f"{g['next_kernel']} ({g['file']}:{g['line']})")
+    for d, m in r["device_memory"].items():
+        out.append(f"neuron:{d} memory: peak {m['peak_allocated'] / 2**20:.2f} MiB allocated, "
+                   f"{m['peak_reserved'] / 2**20:.2f} MiB reserved ({m['events']} allocator events)")
     return "\n".join(out)
 
 
@@ -164,10 +204,7 @@ def plots(path: str, r: dict, out_dir: str) -> list:
     ax.barh(names, [k["modelled_ns"] / 1e3 for k in r["top_kernels"]][::-1])
     ax.set_xlabel("modelled time (us)")
     ax.set_title("top kernels")
-    fig.tight_layout()
-    files.append(os.path.join(out_dir, "top_kernels.png"))
-    fig.savefig(files[-1])
-    plt.close(fig)
+    files.append(_save(plt, fig, out_dir, "top_kernels.png"))
     ev = pq.read_table(os.path.join(path, "SystemProfileEvents.parquet")).to_pandas()
     hw = ev[ev.source == "hardware"]
     if r.get("roofline"):
@@ -179,11 +216,24 @@ def plots(path: str, r: dict, out_dir: str) -> list:
         ax.broken_barh(list(zip(q.modelled_start_ns / 1e3, q.modelled_ns / 1e3)), (i - 0.4, 0.8))
     ax.set_yticks(range(len(lanes)), [f"neuron:{d} q{q}" for d, q in lanes])
     ax.set_xlabel("modelled time (us)")
-    fig.tight_layout()
-    files.append(os.path.join(out_dir, "timeline.png"))
-    fig.savefig(files[-1])
-    plt.close(fig)
+    files.append(_save(plt, fig, out_dir, "timeline.png"))
+    if r["device_memory"]:
+        files.append(_memory_plot(plt, path, out_dir))
     return files
+
+
+def _memory_plot(plt, path: str, out_dir: str) -> str:
+    """Allocated and reserved bytes per device over the host-time axis, as steps."""
+    m = pq.read_table(os.path.join(path, "DeviceMemory.parquet")).to_pandas()
+    fig, ax = plt.subplots(figsize=(8, 3))
+    for d, g in m.groupby("device"):
+        t = g.time_ns / 1e3
+        ax.step(t, g.total_allocated / 2**20, where="post", label=f"neuron:{d} allocated")
+        ax.step(t, g.total_reserved / 2**20, where="post", linestyle="--", label=f"neuron:{d} reserved")
+    ax.set_xlabel("host time (us)")
+    ax.set_ylabel("MiB")
+    ax.legend()
+    return _save(plt, fig, out_dir, "memory.png")
 
 
 def _roofline_plot(plt, r: dict, out_dir: str) -> str:
@@ -206,8 +256,12 @@ def _roofline_plot(plt, r: dict, out_dir: str) -> str:
     ax.set_xlabel("FLOPs per HBM byte")
     ax.set_ylabel("modelled FLOP/s")
     ax.legend()
+    return _save(plt, fig, out_dir, "roofline.png")
+
+
+def _save(plt, fig, out_dir: str, name: str) -> str:
     fig.tight_layout()
-    path = os.path.join(out_dir, "roofline.png")
+    path = os.path.join(out_dir, name)
     fig.savefig(path)
     plt.close(fig)
     return path
