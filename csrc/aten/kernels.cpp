@@ -9,6 +9,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/clone_native.h>
 #include <ATen/ops/view_native.h>
 #include <ATen/native/transformers/attention.h>
 #include <ATen/ops/_fused_sdp_choice_native.h>
@@ -280,6 +281,19 @@ int64_t fused_sdp_choice(const at::Tensor& q, const at::Tensor& k, const at::Ten
                                            enable_gqa);
 }
 
+// clone() as CUDA's (a fresh tensor of the same layout, copied), keeping backend metadata
+// (torch._utils.set_tensor_metadata) as detach() does: a flag describing a tensor's contents
+// stays true of its copy, and copy.deepcopy of modules clones parameters.
+at::Tensor clone(const at::Tensor& self, std::optional<c10::MemoryFormat> memory_format) {
+  auto out = at::native::clone(self, memory_format);
+  auto* impl = self.unsafeGetTensorImpl();
+  if (impl->get_backend_meta()) {
+    auto meta = impl->get_backend_meta_intrusive_ptr();
+    out.unsafeGetTensorImpl()->set_backend_meta(meta->clone(meta));
+  }
+  return out;
+}
+
 }  // namespace
 
 c10::DeviceIndex resolve_device(c10::optional<c10::Device> device) { return resolve(device); }
@@ -312,6 +326,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("as_strided", TORCH_FN(at::native::as_strided_tensorimpl));
   m.impl("_reshape_alias", TORCH_FN(at::native::_reshape_alias));
   m.impl("record_stream", TORCH_FN(record_stream));
+  m.impl("clone", TORCH_FN(clone));
   m.impl("_has_compatible_shallow_copy_type", TORCH_FN(has_compatible_shallow_copy_type));
   m.impl("convolution_overrideable", TORCH_FN(convolution_overrideable));
   m.impl("convolution_backward_overrideable", TORCH_FN(convolution_backward_overrideable));
