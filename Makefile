@@ -32,10 +32,11 @@ test-hta: setup
 	$(PY) -m pip install -q HolisticTraceAnalysis==0.5.0
 	$(PY) -m pytest -q tests/profiler/hta_check.py
 
-# TorchTitan brings wandb, tensorboard and datasets (and pins huggingface_hub below 2), so it
+# TorchTitan brings wandb, tensorboard, datasets and (its import) triton, and pins
+# huggingface_hub below 2, so it
 # gets its own target (and CI step); docs/ecosystem.md says what of it runs on neuron.
 test-torchtitan: setup
-	$(PY) -m pip install -q torchtitan==0.3.0
+	$(PY) -m pip install -q torchtitan==0.3.0 triton==3.9.0
 	$(PY) -m pytest -q tests/ecosystem/test_torchtitan.py
 
 # Redraw docs/architecture.md's dependency diagram from the code.

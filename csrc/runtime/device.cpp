@@ -2,7 +2,6 @@
 // device PyTorch asks every backend to provide.
 #include "runtime.h"
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
@@ -10,7 +9,6 @@
 #include <array>
 #include <atomic>
 #include <chrono>
-#include <deque>
 #include <memory>
 #include <mutex>
 
@@ -216,18 +214,6 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
 
 C10_REGISTER_GUARD_IMPL(PrivateUse1, NeuronGuardImpl);
 
-// A generator is CPU's Mersenne Twister tagged with the neuron device, so a seed gives the
-// same sequence as on CPU.
-class NeuronGeneratorImpl : public at::CPUGeneratorImpl {
- public:
-  explicit NeuronGeneratorImpl(c10::DeviceIndex d) {
-    device_ = c10::Device(kDevice, d);
-    key_set_ = c10::DispatchKeySet(c10::DispatchKey::PrivateUse1);
-  }
-};
-
-std::mutex g_gen_mu;
-std::deque<at::Generator> g_default_generators;
 
 struct NeuronHooks final : public at::PrivateUse1HooksInterface {
   bool isBuilt() const override { return true; }
@@ -273,23 +259,5 @@ bool g_hooks_registered = [] {
 }();
 
 }  // namespace
-
-const at::Generator& default_generator(c10::DeviceIndex d) {
-  if (d < 0) d = current_device();
-  check_device(d);
-  std::lock_guard<std::mutex> g(g_gen_mu);
-  while (static_cast<int>(g_default_generators.size()) <= d) {
-    auto gen = at::make_generator<NeuronGeneratorImpl>(
-        static_cast<c10::DeviceIndex>(g_default_generators.size()));
-    gen.set_current_seed(c10::default_rng_seed_val);
-    g_default_generators.push_back(std::move(gen));
-  }
-  return g_default_generators[d];
-}
-
-at::Generator new_generator(c10::DeviceIndex d) {
-  if (d < 0) d = current_device();
-  return at::make_generator<NeuronGeneratorImpl>(d);
-}
 
 }  // namespace neuron

@@ -56,8 +56,9 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("backend", ["neuron", "inductor"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_flex_attention_forward_backward(name):
+def test_flex_attention_forward_backward(name, backend):
     mask_fn, score_kind, allowed, bias = CASES[name]
     torch.manual_seed(0)
     qc, kc, vc = (torch.randn(B, H, S, D, requires_grad=True) for _ in range(3))
@@ -72,7 +73,7 @@ def test_flex_attention_forward_backward(name):
     q, k, v = (t.detach().to(DEV).requires_grad_() for t in (qc, kc, vc))
     fn = torch.compile(lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod,
                                                       block_mask=block_mask),
-                       backend="neuron", fullgraph=True)
+                       backend=backend, fullgraph=True)
     out = fn(q, k, v)
     out.backward(grad.to(DEV))
     assert out.device.type == DEV
@@ -117,3 +118,35 @@ def test_flex_attention_without_a_block_mask():
     torch.testing.assert_close(out.detach().cpu(), ref.detach(), atol=2e-5, rtol=2e-5)
     for a, b in ((q, qc), (k, kc), (v, vc)):
         torch.testing.assert_close(a.grad.cpu(), b.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_default_inductor_flex_layouts_and_cached_graph(tmp_path):
+    # TorchTitan's form: torch.compile(flex_attention) with the default backend, q/k/v as
+    # transposed views ([B, S, H, D] -> [B, H, S, D]); and a second process that loads the
+    # compiled graph from Inductor's cache (so no lowering runs there) must still find the
+    # score_mod and mask_mod.
+    import subprocess
+    import sys
+    import textwrap
+    prog = textwrap.dedent("""
+        import torch, torch.nn.functional as F
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        torch.manual_seed(0)
+        x = [torch.randn(2, 128, 4, 16, requires_grad=True) for _ in range(3)]
+        ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in x), is_causal=True)
+        ref.sum().backward()
+        xn = [t.detach().to("neuron").requires_grad_() for t in x]
+        mask = create_block_mask(lambda b, h, q, kv: q >= kv, 2, 4, 128, 128, device="neuron")
+        out = torch.compile(flex_attention)(*(t.transpose(1, 2) for t in xn), block_mask=mask)
+        out.sum().backward()
+        torch.testing.assert_close(out.detach().cpu(), ref.detach(), atol=2e-5, rtol=2e-5)
+        for a, b in zip(xn, x):
+            torch.testing.assert_close(a.grad.cpu(), b.grad, atol=1e-4, rtol=1e-4)
+        print("flex ok")
+    """)
+    env = dict(__import__("os").environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path),
+               TORCHINDUCTOR_FX_GRAPH_CACHE="1")
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", prog], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert "flex ok" in run.stdout, run.stderr[-3000:]

@@ -1046,5 +1046,38 @@ def scenario_fsdp_tp_2d(ckpt_dir):
     print("ok", RANK)
 
 
+# --- DTensor random ops: the generator's (seed, offset) state gives each shard its part ---------
+def scenario_dtensor_random():
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.device_mesh import init_device_mesh
+
+    init()
+    mesh = init_device_mesh("neuron", (WORLD,))
+    rows = 8 * WORLD
+    # The reference: the same draws on one device, no sharding.
+    torch.manual_seed(5)
+    full_u = torch.rand(rows, 64, device=DEV).cpu()
+    full_n = torch.randn(rows, 64, device=DEV).cpu()
+    after = torch.rand(16, device=DEV).cpu()
+
+    torch.manual_seed(5)
+    dt = distribute_tensor(torch.zeros(rows, 64, device=DEV), mesh, [Shard(0)])
+    dt.uniform_()
+    mine = slice(8 * RANK, 8 * (RANK + 1))
+    assert torch.equal(dt.to_local().cpu(), full_u[mine]), "Shard(0) uniform_ != its rows of one draw"
+    dn = distribute_tensor(torch.zeros(rows, 64, device=DEV), mesh, [Shard(0)])
+    dn.normal_()
+    assert torch.equal(dn.to_local().cpu(), full_n[mine]), "Shard(0) normal_ != its rows of one draw"
+    # Every rank leaves the region at the whole tensor's end, so plain draws agree again.
+    assert torch.equal(torch.rand(16, device=DEV).cpu(), after), "ranks disagree after the region"
+
+    torch.manual_seed(5)
+    dr = distribute_tensor(torch.zeros(rows, 64, device=DEV), mesh, [Replicate()])
+    dr.uniform_()
+    assert torch.equal(dr.to_local().cpu(), full_u), "Replicate uniform_ != one draw"
+    dist.destroy_process_group()
+    print("dtensor random ok", RANK, flush=True)
+
+
 if __name__ == "__main__":
     globals()["scenario_" + sys.argv[1]](*sys.argv[2:])

@@ -205,3 +205,11 @@ def test_example_fsdp_tp_gpt_trains_on_4_ranks():
     losses = [float(l.split()[-1]) for l in res.stdout.splitlines() if l.startswith("step")]
     assert len(losses) == 3 and losses[-1] < losses[0] * 0.5, res.stdout
     assert "of which collectives" in res.stdout
+
+
+def test_dtensor_random_ops_give_each_shard_its_part_of_one_stream():
+    # DTensor's OffsetBasedRNGTracker moves the generator's 16-byte (seed, offset) state, as
+    # on CUDA; on neuron the offset is the word of CPU's Mersenne Twister stream, so a sharded
+    # random init equals the unsharded one on a single device, bit for bit.
+    out = _launch.run("dtensor_random", 2, timeout=180)
+    assert all("dtensor random ok" in o for _, o in out), out

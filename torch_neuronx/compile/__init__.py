@@ -63,9 +63,15 @@ def _on_flex_attention(_module) -> None:
     flex.allow_neuron_device()
 
 
+def _on_inductor_flex(_module) -> None:
+    from . import flex
+    flex.install_inductor_lowerings()
+
+
 _HOOKS = {"torch._dynamo": _on_dynamo, "torch._inductor.codegen.common": _on_inductor_common,
           "torch._inductor.decomposition": _on_inductor_decomposition,
-          "torch.nn.attention.flex_attention": _on_flex_attention}
+          "torch.nn.attention.flex_attention": _on_flex_attention,
+          "torch._inductor.kernel.flex.flex_attention": _on_inductor_flex}
 
 
 class _PostImportHook(importlib.abc.MetaPathFinder):

@@ -23,9 +23,12 @@ registered in the process that runs the op.
 """
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
 import math
+import pickle
+import zlib
 
 import torch
 
@@ -64,6 +67,10 @@ def _fns(key: str):
     try:
         return _FN_REGISTRY[key]
     except KeyError:
+        if key.startswith("fx:"):
+            # A graph Inductor loaded from its cache names its functions by value.
+            _FN_REGISTRY[key] = pickle.loads(zlib.decompress(base64.b64decode(key[3:])))
+            return _FN_REGISTRY[key]
         raise RuntimeError(f"neuron flex_attention: the score_mod/mask_mod of key {key!r} are "
                            "not registered in this process (the graph must be compiled by "
                            "the neuron backend)") from None
@@ -234,7 +241,10 @@ def _define_ops() -> None:
                                 mask_bufs, key, scale, q_block, kv_block)
             wrt = [qd, kd, vd] + [b for b in bufs if b.requires_grad]
             grads = torch.autograd.grad(out, wrt, grad_out, allow_unused=True)
-        grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, wrt)]
+        # Each gradient in its input's layout, as the fake says (Inductor checks the strides).
+        grads = [torch.zeros_like(t) if g is None else
+                 g if g.stride() == t.stride() else torch.empty_like(t).copy_(g)
+                 for g, t in zip(grads, wrt)]
         it = iter(grads[3:])
         buf_grads = [next(it) if b.requires_grad else torch.zeros_like(b) for b in bufs]
         return grads[0], grads[1], grads[2], buf_grads
@@ -330,3 +340,60 @@ def allow_neuron_device() -> None:
 
     _validate_device._neuron = True
     fa._validate_device = _validate_device
+
+
+def install_inductor_lowerings() -> None:
+    """Lower the flex_attention HOPs on neuron to the neuron ops under the default Inductor
+    backend too (``torch.compile(flex_attention)``, as TorchTitan writes it). Inductor's own
+    lowering keys on ``device.type == "cpu"`` and sends every other device to its Triton
+    templates; the ``neuron`` backend rewrites the Dynamo graph instead (``rewrite``)."""
+    from torch._inductor import lowering as L
+
+    fwd_hop = torch.ops.higher_order.flex_attention
+    bwd_hop = torch.ops.higher_order.flex_attention_backward
+    inner_fwd, inner_bwd = L.lowerings[fwd_hop], L.lowerings[bwd_hop]
+    if getattr(inner_fwd, "_neuron", False):
+        return
+    _define_ops()  # now, so that compiled code loaded from Inductor's cache finds the ops
+
+    def _key(score_graph, block_mask):
+        # By value (the pickled FX graphs), not by a hash of this process's registry: on a
+        # cache hit Inductor skips lowering, and the compiled code must still find them.
+        fns = (score_graph.graph_module if score_graph is not None else None,
+               block_mask[-1].graph_module)
+        key = "fx:" + base64.b64encode(zlib.compress(pickle.dumps(fns))).decode()
+        _FN_REGISTRY[key] = fns
+        return key
+
+    def fwd(query, key, value, subgraph, block_mask, scale, kernel_options,
+            score_mod_other_buffers, mask_mod_other_buffers):
+        if query.get_device().type != "neuron":
+            return inner_fwd(query, key, value, subgraph, block_mask, scale, kernel_options,
+                             score_mod_other_buffers, mask_mod_other_buffers)
+        kv_num, kv_idx, full_num, full_idx = block_mask[2:6]
+        return L.fallback_handler(torch.ops.neuron.flex_attention.default, add_to_fallback_set=False)(
+            query, key, value, kv_num, kv_idx, full_num, full_idx,
+            list(score_mod_other_buffers), list(mask_mod_other_buffers),
+            _key(subgraph, block_mask), float(scale), int(block_mask[-3]), int(block_mask[-2]))
+
+    def bwd(*args, **kwargs):
+        (query, key, value, _out, _lse, grad_out, grad_logsumexp, fw_graph, _joint_graph,
+         block_mask, scale, _kernel_options, score_mod_other_buffers,
+         mask_mod_other_buffers) = args
+        if query.get_device().type != "neuron":
+            return inner_bwd(*args, **kwargs)
+        if grad_logsumexp is not None:
+            raise NotImplementedError(
+                "neuron flex_attention: a gradient through the returned logsumexp is not "
+                "supported (the backward recomputes attention from q, k, v and grad_out)")
+        kv_num, kv_idx, full_num, full_idx = block_mask[2:6]
+        dq, dk, dv, dbufs = L.fallback_handler(
+            torch.ops.neuron.flex_attention_backward.default, add_to_fallback_set=False)(
+            query, key, value, grad_out, kv_num, kv_idx, full_num, full_idx,
+            list(score_mod_other_buffers), list(mask_mod_other_buffers),
+            _key(fw_graph, block_mask), float(scale), int(block_mask[-3]), int(block_mask[-2]))
+        return dq, dk, dv, tuple(dbufs)
+
+    fwd._neuron = bwd._neuron = True
+    L.lowerings[fwd_hop] = fwd
+    L.lowerings[bwd_hop] = bwd
