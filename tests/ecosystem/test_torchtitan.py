@@ -40,7 +40,8 @@ def test_torchtitan_picks_neuron_and_the_modelled_peak():
 
 
 _REPO = Path(__file__).resolve().parents[2]
-_EXAMPLE = _REPO / "examples" / "torchtitan"
+# (Not "examples/torchtitan": with examples/ on sys.path that name would shadow the package.)
+_EXAMPLE = _REPO / "examples" / "titan_debug"
 _STEP = re.compile(r"step:\s+(\d+)\s+\S*\s*loss:\s+([0-9.]+)")
 
 

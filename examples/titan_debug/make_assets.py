@@ -3,12 +3,12 @@
 `torchtitan.train` runs with no download (its own test assets live in its git repository,
 not in the wheel).
 
-    python examples/torchtitan/make_assets.py DIR
-    PYTHONPATH=examples/torchtitan torchrun --nproc_per_node 2 -m torchtitan.train \
+    python examples/titan_debug/make_assets.py DIR
+    PYTHONPATH=examples/titan_debug torchrun --nproc_per_node 2 -m torchtitan.train \
         --module llama3 --config llama3_debugmodel --parallelism.spmd-backend partial_dtensor \
         --hf_assets_path DIR/tokenizer --dataloader.dataset_path DIR/text ...
 
-(`PYTHONPATH=examples/torchtitan` adds `sitecustomize.py`, which supplies the one torch API
+(`PYTHONPATH=examples/titan_debug` adds `sitecustomize.py`, which supplies the one torch API
 TorchTitan 0.3.0 calls that torch 2.13 lacks; see that file.)
 """
 from __future__ import annotations
