@@ -18,7 +18,10 @@ A bridge answers:
   ``from_numpy(array, device)``: a result array as a tensor;
 - ``kernel_ran(device, name, latency_ns)``: charge a kernel's modelled latency;
 - ``compiling()`` and ``call_compiled(kernel, args, kwargs)``: a kernel call while the
-  framework traces a graph becomes one node of that graph.
+  framework traces a graph becomes one node of that graph;
+- optionally ``rounding(device)``: None, or the rounder (``(dtype name, float32 array) ->
+  float32 array``) the device's runtime narrows to bf16/fp16 with, when it rounds
+  stochastically (``nki.simulator.dtypes.stochastic_rounder``).
 """
 from __future__ import annotations
 

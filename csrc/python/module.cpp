@@ -259,6 +259,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     pybind11::gil_scoped_release no_gil;
     torch::autograd::Engine::get_default_engine().stop();
   });
+  m.def("_set_capturing", &neuron::set_capturing);
+  m.def("_is_capturing", &neuron::is_capturing);
   m.def("_set_quiet", &neuron::set_quiet);
   m.def("_set_op_records", &neuron::set_recording);
   m.def("_quiet", &neuron::quiet);

@@ -6,6 +6,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -25,6 +26,48 @@ thread_local std::array<c10::StreamId, kMaxStreamDevices> t_current_stream{};
 }  // namespace
 
 int64_t current_stream_id(c10::DeviceIndex d) { return t_current_stream[d]; }
+
+namespace {
+// The streams a torch.accelerator.Graph is capturing on, as (device, stream id); the count
+// keeps the check on synchronisations to one load while nothing captures.
+std::atomic<int> g_capturing{0};
+std::mutex g_capture_mu;
+std::vector<std::pair<int, int64_t>> g_capture_streams;
+}  // namespace
+
+void set_capturing(int device, int64_t stream, bool on) {
+  std::lock_guard<std::mutex> lock(g_capture_mu);
+  auto key = std::make_pair(device, stream);
+  auto it = std::find(g_capture_streams.begin(), g_capture_streams.end(), key);
+  if (on) {
+    TORCH_CHECK(it == g_capture_streams.end(), "torch.accelerator.Graph: stream ", stream,
+                " of neuron:", device, " is already capturing; end that capture first");
+    g_capture_streams.push_back(key);
+  } else {
+    TORCH_CHECK(it != g_capture_streams.end(), "torch.accelerator.Graph: stream ", stream,
+                " of neuron:", device, " is not capturing");
+    g_capture_streams.erase(it);
+  }
+  g_capturing.store(int(g_capture_streams.size()));
+}
+
+bool is_capturing(int device, int64_t stream) {
+  if (g_capturing.load(std::memory_order_relaxed) == 0) return false;
+  std::lock_guard<std::mutex> lock(g_capture_mu);
+  return std::find(g_capture_streams.begin(), g_capture_streams.end(),
+                   std::make_pair(device, stream)) != g_capture_streams.end();
+}
+
+// Checked only by synchronisations (never by a launch): the host would wait for work the
+// graph has recorded but not run, so CUDA refuses them while a stream is capturing (its
+// default "global" capture mode refuses them from any thread).
+void check_not_capturing(const char* what) {
+  TORCH_CHECK(g_capturing.load(std::memory_order_relaxed) == 0,
+              "operation not permitted when stream is capturing: ", what,
+              " waits for the device while a torch.accelerator.Graph is capturing (the captured "
+              "work has not run; CUDA raises cudaErrorStreamCaptureUnsupported here). Synchronize "
+              "before capture_begin() or after capture_end().");
+}
 
 namespace {
 std::array<std::atomic<int64_t>, kMaxStreamDevices> g_epoch{};
@@ -185,17 +228,23 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     if (done && check::enabled()) check::on_stream_sync(s.device_index(), s.id());
     return done;
   }
+  bool isStreamCapturing(const c10::Stream& s) const override {
+    return is_capturing(s.device_index(), s.id());
+  }
   void synchronizeStream(const c10::Stream& s) const override {
+    check_not_capturing("stream synchronize");
     queue::synchronize_stream(s.device_index(), s.id());
     if (check::enabled()) check::on_stream_sync(s.device_index(), s.id());
   }
   void synchronizeEvent(void* event) const override {
     if (!event) return;
+    check_not_capturing("event synchronize");
     auto* e = static_cast<Event*>(event);
     if (e->device >= 0) queue::wait_for(e->device, e->seq);
     if (check::enabled()) check::on_event_sync(event);
   }
   void synchronizeDevice(const c10::DeviceIndex d) const override {
+    check_not_capturing("device synchronize (torch.accelerator.synchronize)");
     queue::synchronize(d < 0 ? current_device() : d);
     if (check::enabled()) check::on_device_sync(d);
   }

@@ -52,6 +52,12 @@ at::Tensor wrap_storage(c10::Storage storage, const at::Tensor& like);
 
 int64_t current_stream_id(c10::DeviceIndex d);
 
+// Graph capture (torch.accelerator.Graph; the recording itself is Python's): while a capture
+// is open, a host synchronisation with the device raises, as CUDA's do during stream capture.
+void set_capturing(int device, int64_t stream, bool on);
+bool is_capturing(int device, int64_t stream);
+void check_not_capturing(const char* what);
+
 // The modelled timeline's epochs: work on different streams of one epoch overlaps; a cross-
 // stream wait or a host synchronization starts a new epoch. Epochs stay 0 until a device
 // uses a second stream, so single-stream programs aggregate into one record per op shape.

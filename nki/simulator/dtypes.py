@@ -10,6 +10,14 @@ import ml_dtypes
 import numpy as np
 
 
+# While a kernel runs on an accelerator whose runtime rounds stochastically
+# (NEURON_RT_STOCHASTIC_ROUNDING_EN on the torch side), the runner sets this to the bridge's
+# rounder: ``(dtype name, float32 array) -> float32 array`` of bf16/fp16 values. Every engine
+# write that narrows to bf16/fp16 then rounds through it, as the hardware's output stage does.
+stochastic_rounder = None
+_STOCHASTIC = ("bfloat16", "float16")
+
+
 class DType:
     """One NKI dtype: a name, a size, how values are stored and how they round."""
 
@@ -28,6 +36,8 @@ class DType:
         """Values (any numeric array) as this dtype stores them."""
         if self.is_float:
             v = np.asarray(values, dtype=np.float32)
+            if stochastic_rounder is not None and self.name in _STOCHASTIC:
+                return stochastic_rounder(self.name, v)
             return self._round(v) if self._round is not None else v
         if self.name == "bool":
             return np.asarray(values).astype(np.bool_)

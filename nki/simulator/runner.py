@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import errors as E
 from .. import frameworks
-from . import context, tensore, trace
+from . import context, dtypes, tensore, trace
 from .dtypes import as_dtype
 from .tensor import Buffer, NkiTensor, new_id
 
@@ -103,6 +103,10 @@ def run(func, args, kwargs, grid=(), target=None, timing=False, readonly_inputs=
     if on_device:
         sim.device_outputs = True
     prev = context.set_current(sim)
+    prev_rounder = dtypes.stochastic_rounder
+    if on_device:
+        rounding = getattr(bridge, "rounding", None)
+        dtypes.stochastic_rounder = rounding(device) if rounding is not None else None
     try:
         def conv(a, i):
             if isinstance(a, np.ndarray) or id(a) in bridged:
@@ -137,6 +141,7 @@ def run(func, args, kwargs, grid=(), target=None, timing=False, readonly_inputs=
             bridge.kernel_ran(device, getattr(func, "__name__", "kernel"), _latency_ns(sim))
         return out, sim
     finally:
+        dtypes.stochastic_rounder = prev_rounder
         context.set_current(prev)
 
 

@@ -27,8 +27,8 @@ _CUDA_ONLY = {
                  "ComplexFloatStorage", "DoubleStorage", "DoubleTensor", "FloatStorage",
                  "FloatTensor", "HalfStorage", "HalfTensor", "IntStorage", "IntTensor",
                  "LongStorage", "LongTensor", "ShortStorage", "ShortTensor")},
-    **{n: "CUDA graphs; neuron compiles through torch.compile"
-       for n in ("CUDAGraph", "graph", "graph_pool_handle", "graphs", "make_graphed_callables")},
+    "CUDAGraph": "torch.neuron.NeuronGraph (a torch.accelerator.Graph) is the counterpart",
+    "make_graphed_callables": "not provided: capture with torch.neuron.graph and replay by hand",
     **{n: "pluggable/caching allocator internals and memory pools of the CUDA caching allocator"
        for n in ("CUDAPluggableAllocator", "MemPool", "caching_allocator_alloc",
                  "caching_allocator_delete", "caching_allocator_disabled",

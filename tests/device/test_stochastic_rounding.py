@@ -447,3 +447,37 @@ def test_scaled_grouped_mm_mx(sr):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # trn2 has no MX path (a one-time warning)
         _check_kernel_sr(lambda: torch._scaled_grouped_mm(*args), ref)
+
+
+def _nki_mul_to(dtype):
+    import nki
+    import nki.language as nl
+
+    @nki.jit
+    def mul_narrow(a, b):
+        out = nl.ndarray(a.shape, dtype=dtype, buffer=nl.shared_hbm)
+        nl.store(out, nl.multiply(nl.load(a), nl.load(b), dtype=dtype))
+        return out
+    return mul_narrow
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_nki_kernel_writes_round_stochastically(sr, dtype):
+    import nki.language as nl
+    kernel = _nki_mul_to({BF16: nl.bfloat16, F16: nl.float16}[dtype])
+    g = torch.Generator().manual_seed(12)
+    a, b = torch.randn(64, 32, generator=g), torch.randn(64, 32, generator=g)
+    ad, bd = a.to(DEV), b.to(DEV)
+    _check_kernel_sr(lambda: kernel(ad, bd), a * b, dtype)
+    assert torch.equal(kernel(a, b), (a * b).to(dtype))  # CPU tensors: not the device's runtime
+
+
+def test_nki_kernel_off_rounds_to_nearest_even():
+    import nki.language as nl
+    assert not _stochastic_rounding_enabled()
+    g = torch.Generator().manual_seed(13)
+    a, b = torch.randn(64, 32, generator=g), torch.randn(64, 32, generator=g)
+    got = _nki_mul_to(nl.bfloat16)(a.to(DEV), b.to(DEV))
+    assert torch.equal(got.cpu(), (a * b).to(BF16))
+    got_cpu = _nki_mul_to(nl.bfloat16)(a, b)  # CPU tensors: no device runtime, no switch
+    assert torch.equal(got_cpu, (a * b).to(BF16))

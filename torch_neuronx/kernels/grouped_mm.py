@@ -33,7 +33,7 @@ def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     host = [_C._cpu_alias(t) if t is not None else None for t in (mat_a, mat_b, offs, bias)]
     idx = dev.index if dev.index is not None else torch.neuron.current_device()
     narrow = out_dtype or mat_a.dtype
-    if narrow in (torch.bfloat16, torch.float16) and stochastic_rounding._stochastic_rounding_enabled():
+    if stochastic_rounding._applies(narrow):
         # The switch on: the fp32 result, rounded once stochastically on the device, as the
         # hardware writes PSUM out (CPU's kernel would round to nearest even inside).
         torch.ops.aten._grouped_mm(*(_meta(t) for t in (mat_a, mat_b, offs, bias)), out_dtype)  # CPU's checks

@@ -241,16 +241,11 @@ def _adopt(out, dev):
     return _C._adopt_tensor(out, _index(dev))
 
 
-def _stochastic(out_dtype):
-    return (out_dtype in (torch.bfloat16, torch.float16)
-            and stochastic_rounding._stochastic_rounding_enabled())
-
-
 def _finish(out, out_dtype, dev):
     """The host fp32 result ``out`` rounded once to ``out_dtype`` on ``dev``: to nearest even,
     or, with NEURON_RT_STOCHASTIC_ROUNDING_EN on, stochastically from the device's generator,
     as the hardware rounds the PSUM result when it writes it out."""
-    if _stochastic(out_dtype):
+    if stochastic_rounding._applies(out_dtype):
         return stochastic_rounding._round(_adopt(out, dev), out_dtype)
     return _adopt(out.to(out_dtype), dev)
 
@@ -283,7 +278,7 @@ def _scaled_mm(self, mat2, scale_a, scale_b, bias=None, scale_result=None, out_d
     ra, rb = _joint_scaling(self, mat2, scale_a, scale_b)
     if ra in (_TW, _RW):
         host = _host(self, mat2, scale_a, scale_b, bias, scale_result)
-        if _stochastic(out_dtype):
+        if stochastic_rounding._applies(out_dtype):
             # CPU's kernel rounds inside; the fp32 product plus the bias in fp32 rounds here.
             _check_bias(bias, out_dtype, mat2.size(1))
             wide = torch._scaled_mm(*host[:4], scale_result=host[5], out_dtype=torch.float32,
@@ -429,7 +424,7 @@ def _scaled_mm_v2(self, mat2, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, s
     ra, rb = recipe
     if ra in (_TW, _RW):
         ha, hb, hbias = _host(self, mat2, bias)
-        sr = _stochastic(out_dtype)
+        sr = stochastic_rounding._applies(out_dtype)
         if sr:
             _check_bias(bias, out_dtype, mat2.size(1), ValueError)
         out = torch.ops.aten._scaled_mm_v2(ha, hb, _host(*scale_a), recipe_a, swizzle_a, _host(*scale_b),

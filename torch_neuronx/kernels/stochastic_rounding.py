@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import warnings
 
+import numpy as np
 import torch
 
 from .. import _C
@@ -161,6 +162,27 @@ def _round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if dtype == torch.bfloat16:
         return _round_bf16_from_fp32(x, r)
     return _round_fp16_from_fp32(x, r)
+
+
+def _applies(dtype) -> bool:
+    """Whether a result rounded to ``dtype`` now rounds stochastically: the switch is on and
+    the dtype is bf16/fp16 (the kernels that write device memory directly ask this)."""
+    return dtype in _NARROW and _stochastic_rounding_enabled()
+
+
+def _nki_rounder(device):
+    """The NKI simulator's rounder for a kernel running on ``device`` (nki_bridge.rounding):
+    bf16/fp16 writes of the kernel's engines round stochastically from the device's
+    generator, as the hardware's output stage does with the switch on; None with it off."""
+    if not _stochastic_rounding_enabled():
+        return None
+    rounders = {"bfloat16": _round_bf16_from_fp32, "float16": _round_fp16_from_fp32}
+
+    def rnd(name, values):
+        x = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+        r = _random_bits(x.shape, device).cpu()
+        return rounders[name](x, r).float().numpy()
+    return rnd
 
 
 def _round_into(dst: torch.Tensor, wide: torch.Tensor) -> None:

@@ -72,11 +72,6 @@ def can_device_access_peer(device, peer_device) -> bool:
     return a != b
 
 
-def is_current_stream_capturing() -> bool:
-    """Graph capture does not exist on this device (compilation is ``torch.compile``)."""
-    return False
-
-
 def get_arch_list() -> list:
     """The NeuronCore version the runtime models, where CUDA lists its sm_* targets."""
     return [_state.config().profile.core_version]
@@ -126,6 +121,6 @@ class _DefaultGenerators(collections.abc.Sequence):
 default_generators = _DefaultGenerators()
 
 __all__ = ["can_device_access_peer", "default_generators", "get_arch_list",
-           "get_per_process_memory_fraction", "get_sync_debug_mode", "is_current_stream_capturing",
+           "get_per_process_memory_fraction", "get_sync_debug_mode",
            "is_tf32_supported", "max_memory_cached", "memory_cached", "memory_stats_as_nested_dict",
            "reset_max_memory_allocated", "reset_max_memory_cached", "set_sync_debug_mode"]

@@ -97,6 +97,10 @@ class TorchBridge:
     def kernel_ran(self, device, name: str, latency_ns: float) -> None:
         cost_model._add_time(device, f"nki:{name}", latency_ns * 1e-9, engine="nki")
 
+    def rounding(self, device):
+        from ..kernels import stochastic_rounding
+        return stochastic_rounding._nki_rounder(device)
+
     def compiling(self) -> bool:
         return torch.compiler.is_compiling()
 
