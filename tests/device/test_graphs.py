@@ -283,3 +283,28 @@ def test_gpt_training_step_replay_equals_eager_bit_for_bit():
         assert torch.equal(static_loss.cpu(), loss.detach().cpu())
     for p, q in zip(graphed.parameters(), eager.parameters()):
         assert torch.equal(p.detach().cpu(), q.detach().cpu())
+
+
+def test_nki_kernels_captured_through_nki_op_and_refused_when_called_directly():
+    import nki
+    import nki.language as nl
+    from torch_neuronx import nki_op
+
+    @nki.jit
+    def mul_kernel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+        nl.store(out, nl.multiply(nl.load(a), nl.load(b)))
+        return out
+
+    op = nki_op("graph_test::mul", mul_kernel, mutates_args=())
+    a, b = torch.zeros(8, 4, device=DEV), torch.full((8, 4), 2.0, device=DEV)
+    g = torch.accelerator.Graph()
+    with g:
+        c = op(a, b)
+    a.fill_(3.0)
+    g.replay()
+    assert torch.equal(c.cpu(), torch.full((8, 4), 6.0))
+    with pytest.raises(RuntimeError, match="register the kernel with torch_neuronx.nki_op"):
+        with torch.accelerator.Graph():
+            mul_kernel(a, b)
+    assert torch.equal(mul_kernel(a, b).cpu(), torch.full((8, 4), 6.0))  # eager still works

@@ -19,7 +19,7 @@ import itertools
 import warnings
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import _C
@@ -65,6 +65,17 @@ def _written(schema, args, kwargs):
     return out
 
 
+def _check_not_capturing_direct(what: str) -> None:
+    """Raise when device memory is about to be written behind the dispatcher (an eager NKI
+    kernel call) while this thread captures: the recorder would not see it, and a replay
+    would leave its outputs stale."""
+    if any(isinstance(m, _Recorder) for m in _get_current_dispatch_mode_stack()):
+        raise RuntimeError(f"operation not permitted when stream is capturing: {what} writes device "
+                           "memory directly, which a torch.accelerator.Graph cannot record on "
+                           "neuron; register the kernel with torch_neuronx.nki_op so the capture "
+                           "records it as an op")
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self, nodes):
         super().__init__()
@@ -90,8 +101,10 @@ class _Recorder(TorchDispatchMode):
             return func(*args, **kwargs)  # a view of a static tensor: metadata only
         if torch.Tag.dynamic_output_shape in func.tags or torch.Tag.data_dependent_output in func.tags:
             raise _capture_error(func, "reads device data on the host")
-        if not all(r.type.kind() in ("TensorType", "ListType", "OptionalType") for r in returns):
-            raise _capture_error(func, "returns a host value computed from device data")
+        host = [str(r.type) for r in returns if r.type.kind() not in ("TensorType", "ListType", "OptionalType")]
+        if host:
+            raise _capture_error(func, f"returns a host value ({', '.join(host)}), which a capture "
+                                       "cannot record")
         self._check_copy(func, name, args, kwargs)
         written = _written(schema, args, kwargs)
         if written:  # in place or out=: replay writes the same tensors again

@@ -69,7 +69,11 @@ class TorchBridge:
         return x.device
 
     def on_accelerator(self, device) -> bool:
-        return device is not None and device.type == "neuron"
+        on = device is not None and device.type == "neuron"
+        if on:  # asked before the kernel runs: refuse an unrecordable call during capture
+            from ..neuron.graphs import _check_not_capturing_direct
+            _check_not_capturing_direct("an NKI kernel called on neuron tensors")
+        return on
 
     host_view = staticmethod(host_view)
 
