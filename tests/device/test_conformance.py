@@ -28,7 +28,6 @@ _CUDA_ONLY = {
                  "FloatTensor", "HalfStorage", "HalfTensor", "IntStorage", "IntTensor",
                  "LongStorage", "LongTensor", "ShortStorage", "ShortTensor")},
     "CUDAGraph": "torch.neuron.NeuronGraph (a torch.accelerator.Graph) is the counterpart",
-    "make_graphed_callables": "not provided: capture with torch.neuron.graph and replay by hand",
     **{n: "pluggable/caching allocator internals and memory pools of the CUDA caching allocator"
        for n in ("CUDAPluggableAllocator", "MemPool", "caching_allocator_alloc",
                  "caching_allocator_delete", "caching_allocator_disabled",

@@ -308,3 +308,54 @@ def test_nki_kernels_captured_through_nki_op_and_refused_when_called_directly():
         with torch.accelerator.Graph():
             mul_kernel(a, b)
     assert torch.equal(mul_kernel(a, b).cpu(), torch.full((8, 4), 6.0))  # eager still works
+
+
+def _mlp():
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+
+
+def test_make_graphed_callables_module_trains_as_eager():
+    torch.manual_seed(3)
+    ref = _mlp()
+    graphed = _mlp().to(DEV)
+    graphed.load_state_dict(ref.state_dict())
+    sample = torch.randn(6, 8, device=DEV)
+    graphed = torch.neuron.make_graphed_callables(graphed, (sample,))
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(graphed.parameters(), lr=0.1)
+    for _ in range(4):
+        x, t = torch.randn(6, 8), torch.randn(6, 4)
+        for m, o, xx, tt in ((ref, opt_ref, x, t), (graphed, opt, x.to(DEV), t.to(DEV))):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(m(xx), tt).backward()
+            o.step()
+    for p, q in zip(graphed.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach())
+    graphed.eval()  # eval mode runs the module eagerly, as CUDA's does
+    x = torch.randn(3, 8)  # another batch size works outside the graph
+    torch.testing.assert_close(graphed(x.to(DEV)).detach().cpu(), ref(x).detach())
+
+
+def test_make_graphed_callables_functions_and_input_grads():
+    def f(a, b):
+        return (a * b).sin(), a.exp()
+
+    def g(c):
+        return c.tanh() * 2
+
+    a = torch.randn(5, device=DEV, requires_grad=True)
+    b = torch.randn(5, device=DEV)
+    c = torch.randn(5, device=DEV, requires_grad=True)
+    gf, gg = torch.neuron.make_graphed_callables((f, g), ((a, b), (c,)))
+    for _ in range(2):
+        x, y = torch.randn(5), torch.randn(5)
+        xd = x.to(DEV).requires_grad_()
+        s, e = gf(xd, y.to(DEV))
+        (s.sum() + gg(e).sum()).backward()
+        xr = x.clone().requires_grad_()
+        sr, er = f(xr, y)
+        (sr.sum() + g(er).sum()).backward()
+        torch.testing.assert_close(s.detach().cpu(), sr.detach())
+        torch.testing.assert_close(xd.grad.cpu(), xr.grad)
+    with pytest.raises(TypeError, match="only Tensors"):
+        torch.neuron.make_graphed_callables(g, (1.0,))

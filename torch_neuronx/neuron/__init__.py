@@ -19,7 +19,8 @@ from ._cuda_names import *  # noqa: F401,F403
 from ._cuda_names import __all__ as _cuda_names_all
 from .streams import (Event, Stream, StreamContext, current_stream, default_stream, set_stream,
                       stream)
-from .graphs import NeuronGraph, graph, graph_pool_handle, is_current_stream_capturing
+from .graphs import (NeuronGraph, graph, graph_pool_handle, is_current_stream_capturing,
+                     make_graphed_callables)
 from ._metadata import install as _install_metadata_hooks
 
 _install_metadata_hooks()
@@ -108,7 +109,7 @@ __all__ = [
     "default_stream", "device", "device_count", "device_of", "empty_cache",
     "get_amp_supported_dtype", "get_device_capability", "get_device_name",
     "get_device_properties", "get_rng_state", "get_rng_state_all", "graph", "graph_pool_handle",
-    "init", "initial_seed", "is_current_stream_capturing",
+    "init", "initial_seed", "is_current_stream_capturing", "make_graphed_callables",
     "is_available", "is_bf16_supported", "is_initialized", "manual_seed", "manual_seed_all",
     "max_memory_allocated", "max_memory_reserved", "mem_get_info", "memory_allocated",
     "memory_reserved", "memory_stats", "memory_summary", "reset_accumulated_memory_stats",
