@@ -19,8 +19,8 @@ from ._cuda_names import *  # noqa: F401,F403
 from ._cuda_names import __all__ as _cuda_names_all
 from .streams import (Event, Stream, StreamContext, current_stream, default_stream, set_stream,
                       stream)
-from .graphs import (NeuronGraph, graph, graph_pool_handle, is_current_stream_capturing,
-                     make_graphed_callables)
+from .graphs import NeuronGraph, graph, graph_pool_handle, is_current_stream_capturing
+from .graphed_callables import make_graphed_callables
 from ._metadata import install as _install_metadata_hooks
 
 _install_metadata_hooks()
