@@ -359,3 +359,24 @@ def test_make_graphed_callables_functions_and_input_grads():
         torch.testing.assert_close(xd.grad.cpu(), xr.grad)
     with pytest.raises(TypeError, match="only Tensors"):
         torch.neuron.make_graphed_callables(g, (1.0,))
+
+
+def test_autocast_step_captured_equals_eager():
+    torch.manual_seed(4)
+    eager, graphed = _mlp().to(DEV), _mlp().to(DEV)
+    graphed.load_state_dict(eager.state_dict())
+    static_x = torch.zeros(6, 8, device=DEV)
+
+    def fwd(m, x):
+        with torch.autocast("neuron", dtype=torch.bfloat16):
+            return m(x).float().square().mean()
+
+    fwd(graphed, static_x)
+    g = torch.accelerator.Graph()
+    with g:
+        static_loss = fwd(graphed, static_x)
+    for _ in range(3):
+        x = torch.randn(6, 8, device=DEV)
+        static_x.copy_(x)
+        g.replay()
+        assert torch.equal(static_loss.cpu(), fwd(eager, x).detach().cpu())
