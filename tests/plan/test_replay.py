@@ -1,0 +1,146 @@
+"""Replaying a step traced on one device under FSDP2 and tensor parallelism: the what-if
+equals the modelled step of real 2-rank runs on the virtual devices ("neuron" backend), and
+the replay keeps FLOPs, signs and errors honest."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import torch_neuronx
+from torch_neuronx import plan
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import _replay_step as step_script  # noqa: E402
+from _launch import ranks  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def real():
+    """An FSDP=2 step and then a TP=2 step, traced on each rank of one real 2-rank run."""
+    return ranks(2, "_replay_step.py", "fsdp,tp")
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "tp"])
+def test_replay_equals_a_real_2_rank_run(traced, real, mode):
+    """The step traced on one device, replayed for FSDP=2 (fully_shard per block and the
+    root) or TP=2 (Megatron colwise/rowwise plan), equals the modelled time each rank of a
+    real 2-rank run reports, collective by collective."""
+    if mode == "fsdp":
+        predicted = traced.replay_layout(fsdp=2, fsdp_units=step_script.FSDP_UNITS)
+    else:
+        predicted = traced.replay_layout(tp=2, tp_plan=step_script.TP_PLAN)
+    assert not traced.collectives
+    for rank in real:
+        r = rank[mode]
+        assert [c[:3] for c in r["collectives"]] == [list(c[:3]) for c in predicted.collectives]
+        assert [c[4] for c in r["collectives"]] == pytest.approx(
+            [c[3] for c in predicted.collectives], rel=1e-12)
+        assert r["seconds"] == pytest.approx(predicted.seconds, rel=1e-9)
+    # the layout changes the step: the what-if is not the traced time
+    assert abs(predicted.seconds - traced.seconds) > 1e-3 * traced.seconds
+
+
+@pytest.fixture(scope="module")
+def traced():
+    """The same step traced in this process (Adaptive Eager off while it runs)."""
+    was = torch_neuronx.is_adaptive_eager_enabled()
+    torch_neuronx.set_adaptive_eager(False)
+    try:
+        dev = torch.device("neuron", 0)
+        model, opt = step_script.build("single", dev)
+        # the real TP ranks' tokens (FSDP's differ per rank; its step does not depend on them)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(step_script.TOKENS, step_script.DIM, generator=g).to(dev)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+            opt.step()
+
+        step()
+        step()
+        with plan.trace(dev, model) as t:
+            step()
+    finally:
+        torch_neuronx.set_adaptive_eager(was)
+    return t
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_halves_the_matmul_flops_of_the_parallel_modules(traced, tp):
+    r = traced.replay_layout(tp=tp, tp_plan=step_script.TP_PLAN)
+    parallel = set(step_script.TP_PLAN)
+    traced_par = sum(o.charge.flops for o in traced.ops if o.module in parallel)
+    traced_rest = sum(o.charge.flops for o in traced.ops if o.module not in parallel)
+    replay_par = sum(f for _, m, _, _, f in r.ops if m in parallel)
+    assert traced_par > 0.9 * traced.flops     # the MLP's FLOPs are its Linear layers'
+    assert replay_par == pytest.approx(traced_par / tp, rel=1e-12)
+    assert r.flops == pytest.approx(traced_par / tp + traced_rest, rel=1e-12)
+    # the step traced: its ops sum to its modelled time (one stream, no collectives)
+    assert sum(o.charge.seconds for o in traced.ops) == pytest.approx(traced.seconds, rel=1e-12)
+
+
+@pytest.mark.parametrize("layout", [dict(fsdp=2), dict(fsdp=4), dict(fsdp=8), dict(fsdp=3),
+                                    dict(tp=2), dict(tp=4), dict(tp=8)])
+def test_replayed_terms_are_never_negative(traced, layout):
+    extra = (dict(fsdp_units=step_script.FSDP_UNITS) if "fsdp" in layout
+             else dict(tp_plan=step_script.TP_PLAN))
+    r = traced.replay_layout(**layout, **extra)
+    assert r.collectives and all(c[3] >= 0 and c[1] > 0 for c in r.collectives)
+    assert all(op[3] >= 0 for op in r.ops)
+    assert r.overlap_seconds >= 0
+    assert r.seconds == pytest.approx(r.device_seconds + r.collective_seconds - r.overlap_seconds)
+    if "fsdp" in layout:
+        # FSDP keeps every device's compute, adds communication: never faster than traced
+        assert r.flops == pytest.approx(traced.flops, rel=1e-12)
+        assert r.seconds > traced.seconds
+
+
+def test_fsdp_optimizer_work_is_divided_by_the_degree(traced):
+    opt = [o for o in traced.ops if o.charge.name.startswith("_foreach_")]
+    assert opt
+    for n in (2, 4):
+        r = traced.replay_layout(fsdp=n, fsdp_units=step_script.FSDP_UNITS)
+        replayed = [op for op in r.ops if op[0].startswith("_foreach_") and op[1] is None]
+        assert len(replayed) == len(opt)
+        from torch_neuronx import _state
+        from torch_neuronx.cost_model import op_seconds
+        cfg = _state.config()
+        for o, rep in zip(opt, replayed):
+            c = o.charge
+            want = op_seconds(cfg.profile, cfg.lnc, c.name, list(c.shapes), c.dtype,
+                              c.bytes_in // n, c.bytes_out // n, c.count)[0]
+            assert rep[3] == pytest.approx(want, rel=1e-12) and rep[3] < c.seconds
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(tp=2, tp_plan={"blocks.0.fc3": "colwise"}),
+     r"tp_plan names 'blocks.0.fc3', which is not an nn.Linear of the traced module"),
+    (dict(tp=3, tp_plan=step_script.TP_PLAN),
+     r"tp=3 does not divide blocks.0.fc1.out_features=1024 \(colwise-parallel splits "
+     r"out_features; Linear\(256, 1024\)\)"),
+    (dict(tp=2, tp_plan={"blocks.0.fc1": "diagonal"}), r"tp_plan\['blocks.0.fc1'\] = 'diagonal'"),
+    (dict(tp=2), r"tp > 1 needs tp_plan"),
+    (dict(fsdp=2), r"fsdp > 1 needs fsdp_units"),
+    (dict(fsdp=2, fsdp_units=["blocks.7"]), r"fsdp_units names 'blocks.7'"),
+    (dict(fsdp=2, fsdp_units=[""], tp=2, tp_plan=step_script.TP_PLAN), r"fsdp=2 with tp=2"),
+    (dict(fsdp=0), r"fsdp=0 must be a positive int"),
+])
+def test_bad_layouts_raise_clear_errors(traced, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        traced.replay_layout(**kwargs)
+
+
+def test_rowwise_degree_not_dividing_in_features_names_the_module(traced):
+    with pytest.raises(ValueError, match=r"tp=3 does not divide blocks.1.fc2.in_features=1024"):
+        traced.replay_layout(tp=3, tp_plan={"blocks.1.fc2": "rowwise"})
+
+
+def test_a_trace_without_its_module_cannot_be_replayed():
+    x = torch.ones(4, 4, device="neuron")
+    with plan.trace() as t:
+        (x @ x).sum()
+    with pytest.raises(ValueError, match=r"traced without its module"):
+        t.replay_layout(tp=2, tp_plan={})
