@@ -84,9 +84,10 @@ def main():
     replays for WORLD ranks (default 2)."""
     modes = sys.argv[1].split(",")
     # The replay prices op by op; Adaptive Eager windows (fused pointwise kernels) close at
-    # every module boundary the trace synchronizes at, and at every collective of the real
-    # runs, so both sides run unfused (docs/plan.md, "Replaying a traced step").
-    torch_neuronx.set_adaptive_eager(False)
+    # every collective and stream wait of the real runs, which the single-device step does
+    # not have, so both sides run unfused (docs/plan.md, "Replaying a traced step");
+    # REPLAY_ADAPTIVE_EAGER=1 keeps it on, to measure what that costs the replay.
+    torch_neuronx.set_adaptive_eager(os.environ.get("REPLAY_ADAPTIVE_EAGER") == "1")
     rank = int(os.environ.get("RANK", "0"))
     distributed = modes != ["single"]
     if distributed:

@@ -84,10 +84,9 @@ class StepTrace:
 
 
 def _tracker(flush, moved, root):
-    """A ModTracker that charges the device's finished work to the modules it ran under:
-    the runtime aggregates op records between drains, so each module boundary first waits
-    for the device and drains (``flush``), then notes the new set of active modules
-    (``moved``)."""
+    """A ModTracker that charges the device's work to the modules it ran under: the runtime
+    aggregates op records between drains, so each module boundary first drains (``flush``),
+    then notes the new set of active modules (``moved``)."""
     from torch.distributed._tools.mod_tracker import ModTracker
 
     class _Tracker(ModTracker):
@@ -124,8 +123,8 @@ def _innermost(parents, root_name: str):
 def trace(device=None, module: torch.nn.Module | None = None):
     """Trace one step on ``device``: totals, collectives, and every op the cost model charged
     (``StepTrace.ops``). With ``module``, each op also names the innermost submodule of
-    ``module`` it ran under, forward or backward (the device is synchronized at every module
-    boundary to attribute its work, which does not change single-stream modelled time)."""
+    ``module`` it ran under, forward or backward (the op records are drained at every module
+    boundary; the device is not waited for, so the step and its time are unchanged)."""
     from .. import cost_model
     from ..cost_model import modelled_time
     from ..distributed import collectives_model
@@ -151,7 +150,9 @@ def trace(device=None, module: torch.nn.Module | None = None):
         root_name = type(module).__name__
 
         def flush():
-            torch.neuron.synchronize(device)
+            # ops are recorded when launched, on this thread: no need to wait for the device
+            # (a wait would start a timeline epoch and close fusion windows, changing the
+            # step); a fusion window open at the boundary is recorded when it closes.
             cost_model._drain()
 
         def moved():
