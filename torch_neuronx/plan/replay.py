@@ -16,7 +16,8 @@ FSDP=N (``fully_shard`` on each unit of ``fsdp_units``), per unit with parameter
   ``all_gather`` of N x shard bytes, and the copy-out: one ``copy_d2d`` of N x shard per
   parameter; in backward, the reduce-scatter copy-in ``cat`` of the gradients as N x shard
   rows and the ``reduce_scatter`` of N x shard bytes; optimizer (``_foreach_*``) ops re-priced
-  for the local shards (dim 0 padded to a multiple of N, as FSDP2 shards).
+  for the local shards (dim 0 padded to a multiple of N, as FSDP2 shards); less the device
+  time two copy-ins hide on FSDP2's copy-in stream (``_overlap``).
 TP=N (``parallelize_module`` with Colwise/RowwiseParallel):
   every op of a parallel Linear, and every op between a column-parallel Linear and the next
   row-parallel one (forward; the reverse in backward), re-priced with the split dimension
@@ -146,8 +147,18 @@ def _split_op(o, size: int, n: int, cfg) -> tuple:
     return _reprice(c, new, bytes_in, bytes_out, cfg)
 
 
-def _optimizer_op(o, ratio: float, cfg) -> tuple:
+def _optimizer_op(o, ratio: float, cfg, params: dict) -> tuple:
+    """(seconds, flops) of an optimizer list op over the local parameters: its bytes scaled
+    by local / full elements. That holds for an op over every parameter (one parameter
+    group, its state tensors shaped as the parameters): its bytes are then a whole multiple
+    of the parameters' bytes, which is checked."""
     c = o.charge
+    full = sum(math.prod(shape) * dtype.itemsize for shape, dtype in params.values())
+    moved = c.bytes_in + c.bytes_out
+    if full == 0 or moved % full:
+        raise ValueError(f"replay: optimizer op {c.name} moved {moved} bytes, not a multiple "
+                         f"of the {full} bytes of the parameters: it runs over some of them "
+                         f"(several parameter groups?), which is not replayed")
     return _reprice(c, c.shapes, round(c.bytes_in * ratio), round(c.bytes_out * ratio), cfg)
 
 
@@ -208,7 +219,7 @@ def replay_tp(trace, tp: int, tp_plan: dict, cfg, nodes: int) -> Replay:
                              f"step traced without collectives")
         style = tp_plan.get(o.module)
         if _is_optimizer(c.name):
-            seconds, flops = _optimizer_op(o, ratio, cfg)
+            seconds, flops = _optimizer_op(o, ratio, cfg, trace.params)
             out._op(c.name, o.module, o.backward, seconds, flops)
             continue
         if style is not None:
@@ -283,7 +294,8 @@ def replay_fsdp(trace, n: int, units, cfg, nodes: int) -> Replay:
         if c.engine == "collective":
             raise ValueError(f"replay: the traced step issued {c.name}; fsdp is replayed from "
                              f"a step traced without collectives")
-        seconds, flops = _optimizer_op(o, ratio, cfg) if _is_optimizer(c.name) else (c.seconds, c.flops)
+        seconds, flops = (_optimizer_op(o, ratio, cfg, trace.params)
+                          if _is_optimizer(c.name) and ratio != 1.0 else (c.seconds, c.flops))
         out._op(c.name, o.module, o.backward, seconds, flops)
     gathered = {}   # unit -> (shard elements per parameter, dtype)
     for unit, params in _unit_params(trace, units).items():
@@ -294,7 +306,7 @@ def replay_fsdp(trace, n: int, units, cfg, nodes: int) -> Replay:
             raise ValueError(f"replay: fsdp unit {unit!r} mixes parameter dtypes; FSDP2 "
                              f"all-gathers one flat buffer per dtype, which is not replayed")
         gathered[unit] = ([_shard_numel(s, n) for s, _ in params], dtype)
-    copy_in = {}
+    copy_in, copy_out = {}, {}
 
     def all_gather(unit, bw):
         shards, dtype = gathered[unit]
@@ -306,8 +318,11 @@ def replay_fsdp(trace, n: int, units, cfg, nodes: int) -> Replay:
         flat = n * sum(shards) * item
         out._collective("all_gather", flat, n, collective_seconds(
             "all_gather", flat, n, nodes, p, lnc))
+        copy_out[unit] = 0.0
         for s in shards:   # copy-out: each parameter's (n, shard) rows from the flat output
-            out._op("copy_d2d", unit, bw, copy_seconds(p, lnc, "copy_d2d", n * s * item))
+            seconds = copy_seconds(p, lnc, "copy_d2d", n * s * item)
+            copy_out[unit] += seconds
+            out._op("copy_d2d", unit, bw, seconds)
 
     def reduce_scatter(unit):
         shards, dtype = gathered[unit]
@@ -334,31 +349,50 @@ def replay_fsdp(trace, n: int, units, cfg, nodes: int) -> Replay:
         reduce_scatter(u)
     if "" in gathered:
         reduce_scatter("")
-    out.overlap_seconds = _first_backward_overlap(trace, copy_in)
+    out.overlap_seconds = _overlap(trace, order, copy_in, copy_out.get(""))
     out.seconds = out.device_seconds + out.collective_seconds - out.overlap_seconds
     return out
 
 
-def _first_backward_overlap(trace, copy_in: dict) -> float:
-    """The device time the first backward all-gather's copy-in hides. FSDP2 copies a unit's
-    shards in on its all-gather copy-in stream; the timeline overlaps streams between host
-    waits (cost_model._timeline), and every other copy-in sits between two of them (the
-    root's pre-forward stream waits, the previous unit's reshard, the collectives). The
-    first unit to run backward copies in right after the root's post-forward event waits,
-    alongside the default-stream work issued since: what runs after the root's forward
-    (the loss) and the backward until that unit's own ops."""
+def _overlap(trace, order: list, copy_in: dict, root_copy_out) -> float:
+    """The device time FSDP2's copy-ins hide. A unit's shards are copied in on the all-gather
+    copy-in stream, and the timeline overlaps streams between host waits
+    (cost_model._timeline). Most copy-ins sit between two host waits: the previous unit's
+    reshard (freeing its parameters waits for the device), the collectives themselves and
+    the stream waits around them. Two follow default-stream work without one:
+
+    - forward, the first unit's: after the root's pre-forward stream waits, or, when the root
+      holds parameters, after the root's all-gather wait, its copy-out and the root's forward
+      up to that unit (the root does not reshard after forward);
+    - backward, the first all-gather (of the last unit in forward order): after the root's
+      post-forward event waits, alongside the work since (a loss computed outside the model,
+      autograd's seed of the gradient) up to the pre-backward hook that issues it, which is
+      the root's own when the root holds parameters (it prefetches that unit), otherwise that
+      unit's.
+    Each overlaps its copy-in by the shorter of the two."""
     ops = trace.ops
-    fwd = [i for i, o in enumerate(ops) if not o.backward and o.module is not None]
-    if not fwd or not copy_in:
+    if not order:
         return 0.0
+    first, last = order[0], order[-1]
+    # forward: from the start (or the root's copy-out) to the first unit's first op
+    window = root_copy_out or 0.0
+    for o in ops:
+        if o.module is not None and _unit_of(o.module, order + [""]) == first:
+            break
+        if not o.backward and not _is_optimizer(o.charge.name):
+            window += o.charge.seconds
+    hidden = min(window, copy_in[first])
+    # backward: from the end of the root's forward to the first backward op of a unit that
+    # all-gathers (the root included when it holds parameters)
+    fwd = [i for i, o in enumerate(ops) if not o.backward and o.module is not None]
+    gathering = order + ([""] if root_copy_out is not None else [])
     window = 0.0
-    for o in ops[fwd[-1] + 1:]:
-        unit = _unit_of(o.module, copy_in) if o.backward else None
-        if unit is not None and unit != "":
-            return min(window, copy_in[unit])
+    for o in ops[fwd[-1] + 1:] if fwd else ():
+        if o.backward and _unit_of(o.module, gathering) is not None:
+            return hidden + min(window, copy_in[last])
         if not _is_optimizer(o.charge.name):
             window += o.charge.seconds
-    return 0.0
+    return hidden
 
 
 def _forward_order(trace, units) -> list:
