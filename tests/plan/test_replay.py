@@ -186,3 +186,17 @@ def test_an_optimizer_over_some_parameters_is_refused():
     with pytest.raises(ValueError, match=r"optimizer op _foreach_add_ moved \d+ bytes, not a "
                                          r"multiple of the \d+ bytes of the parameters"):
         t.replay_layout(fsdp=2, fsdp_units=FSDP_UNITS)
+
+
+def test_uneven_fsdp_shards_replay_rank_0(traced):
+    """FSDP=3 does not divide the MLP's 1024 and 256 rows: FSDP2 pads every shard to
+    ceil(rows / 3) rows (and zeroes a padded copy of each such gradient before the
+    reduce-scatter). The replay is rank 0's step, whose shards are the full ones, and the
+    slowest: the last rank's shorter shards make its optimizer step a little cheaper."""
+    predicted = traced.replay_layout(fsdp=3, fsdp_units=FSDP_UNITS)
+    real = [r["mlp-fsdp"] for r in ranks(3, "_replay_step.py", "mlp-fsdp")]
+    for r in real:
+        assert [c[:3] for c in r["collectives"]] == [list(c[:3]) for c in predicted.collectives]
+    assert real[0]["seconds"] == pytest.approx(predicted.seconds, rel=1e-9)
+    assert real[1]["seconds"] == pytest.approx(predicted.seconds, rel=1e-9)
+    assert predicted.seconds * (1 - 1e-3) < real[2]["seconds"] < predicted.seconds

@@ -15,7 +15,8 @@ FSDP=N (``fully_shard`` on each unit of ``fsdp_units``), per unit with parameter
   keeps unsharded after forward): the copy-in ``_foreach_copy_`` of the local shards, the
   ``all_gather`` of N x shard bytes, and the copy-out: one ``copy_d2d`` of N x shard per
   parameter; in backward, the reduce-scatter copy-in ``cat`` of the gradients as N x shard
-  rows and the ``reduce_scatter`` of N x shard bytes; optimizer (``_foreach_*``) ops re-priced
+  rows (a gradient whose dim 0 does not divide by N first copied into a zeroed padded buffer)
+  and the ``reduce_scatter`` of N x shard bytes; optimizer (``_foreach_*``) ops re-priced
   for the local shards (dim 0 padded to a multiple of N, as FSDP2 shards); less the device
   time two copy-ins hide on FSDP2's copy-in stream (``_overlap``).
 TP=N (``parallelize_module`` with Colwise/RowwiseParallel):
@@ -305,11 +306,11 @@ def replay_fsdp(trace, n: int, units, cfg, nodes: int) -> Replay:
         if any(d != dtype for _, d in params):
             raise ValueError(f"replay: fsdp unit {unit!r} mixes parameter dtypes; FSDP2 "
                              f"all-gathers one flat buffer per dtype, which is not replayed")
-        gathered[unit] = ([_shard_numel(s, n) for s, _ in params], dtype)
+        gathered[unit] = ([_shard_numel(s, n) for s, _ in params], dtype, [s for s, _ in params])
     copy_in, copy_out = {}, {}
 
     def all_gather(unit, bw):
-        shards, dtype = gathered[unit]
+        shards, dtype, _ = gathered[unit]
         item = dtype.itemsize
         nbytes = 2 * sum(shards) * item   # the runtime counts the list op's dst and src
         copy_in[unit] = op_seconds(p, lnc, "_foreach_copy_", [(s,) for s in shards], dtype,
@@ -325,8 +326,18 @@ def replay_fsdp(trace, n: int, units, cfg, nodes: int) -> Replay:
             out._op("copy_d2d", unit, bw, seconds)
 
     def reduce_scatter(unit):
-        shards, dtype = gathered[unit]
-        flat = n * sum(shards) * dtype.itemsize
+        shards, dtype, shapes = gathered[unit]
+        item = dtype.itemsize
+        flat = n * sum(shards) * item
+        for shape, s in zip(shapes, shards):
+            if shape and shape[0] % n:
+                # a gradient whose dim 0 does not split evenly is padded first: a zeroed
+                # (n * shard) buffer and a copy of the gradient into it
+                padded = (n * math.ceil(shape[0] / n), *shape[1:])
+                out._op("zero_", unit, True, op_seconds(p, lnc, "zero_", [padded], dtype,
+                                                        n * s * item, n * s * item)[0])
+                out._op("copy_d2d", unit, True, copy_seconds(p, lnc, "copy_d2d",
+                                                             math.prod(shape) * item))
         # copy-in: the gradients as (n, shard) rows into one flat input (the runtime counts
         # cat's output buffer among its inputs, as it records chunk_cat)
         out._op("cat", unit, True, op_seconds(p, lnc, "cat", [(n, s) for s in shards], dtype,
