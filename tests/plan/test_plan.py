@@ -183,6 +183,7 @@ def test_data_parallel_what_if_equals_a_real_run(world):
     assert one["collectives"] and all(c[0] == "all_reduce" and c[2] == 1 for c in one["collectives"])
     real = _ranks(world)
     predicted = one[f"replay{world}"]
+    assert one[f"layout{world}"] == pytest.approx(predicted, rel=1e-12)   # replay_layout(dp=N)
     for r in real:
         assert [c[1] for c in r["collectives"]] == [c[1] for c in one["collectives"]]
         assert r["seconds"] == pytest.approx(predicted, rel=1e-6)

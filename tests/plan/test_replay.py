@@ -128,6 +128,8 @@ def test_fsdp_optimizer_work_is_divided_by_the_degree(traced):
     (dict(fsdp=2, fsdp_units=["blocks.7"]), r"fsdp_units names 'blocks.7'"),
     (dict(fsdp=2, fsdp_units=[""], tp=2, tp_plan=TP_PLAN), r"fsdp=2 with tp=2"),
     (dict(fsdp=0), r"fsdp=0 must be a positive int"),
+    (dict(dp=2), r"dp=2 re-prices the traced step's data-parallel collectives, and it issued none"),
+    (dict(dp=2, tp=2, tp_plan=TP_PLAN), r"tp=2 with dp=2 \(2-D\)"),
 ])
 def test_bad_layouts_raise_clear_errors(traced, kwargs, match):
     with pytest.raises(ValueError, match=match):

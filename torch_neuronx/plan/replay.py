@@ -272,9 +272,10 @@ def _unit_params(trace, units) -> dict:
 def replay_fsdp(trace, n: int, units, cfg, nodes: int) -> Replay:
     from ..cost_model import copy_seconds, op_seconds
     from ..distributed.collectives_model import collective_seconds
-    if units is None:
+    if units is None and n > 1:
         raise ValueError("replay: fsdp > 1 needs fsdp_units, the names of the modules "
                          "fully_shard wraps ('' for the root)")
+    units = units or []
     known = set(trace.modules)
     for u in units:
         if u != "" and u not in known:

@@ -57,30 +57,44 @@ class StepTrace:
         return self.seconds - traced + resized
 
     def replay_layout(self, *, fsdp: int = 1, fsdp_units=None, tp: int = 1, tp_plan=None,
-                      nodes: int = 1, profile=None, lnc: int | None = None):
-        """One rank's modelled step (a ``plan.replay.Replay``) when the traced single-device
-        step runs under FSDP2 over ``fsdp`` ranks (``fully_shard`` on each module named in
-        ``fsdp_units``, "" for the root) or tensor parallelism over ``tp`` ranks
-        (``tp_plan``: Linear module name -> "colwise" | "rowwise", as
-        ``parallelize_module``'s plan), on ``nodes`` nodes. Needs a trace taken with
-        ``trace(device, module)``; docs/plan.md says what is charged."""
+                      dp: int = 1, nodes: int = 1, profile=None, lnc: int | None = None):
+        """One rank's modelled step (a ``plan.replay.Replay``) when the traced step runs under
+        FSDP2 over ``fsdp`` ranks (``fully_shard`` on each module named in ``fsdp_units``,
+        "" for the root), tensor parallelism over ``tp`` ranks (``tp_plan``: Linear module
+        name -> "colwise" | "rowwise", as ``parallelize_module``'s plan), or data parallelism
+        over ``dp`` ranks, on ``nodes`` nodes. fsdp and tp replay a single-device step traced
+        with ``trace(device, module)``; dp a DDP step traced on one rank (its collectives
+        re-priced, as ``replay``). One degree at a time; docs/plan.md says what is charged."""
         from .. import _state
-        from .replay import replay_fsdp, replay_tp
-        if not self.modules:
-            raise ValueError("replay_layout: the step was traced without its module; trace "
-                             "it with plan.trace(device, module)")
-        for name, degree in (("fsdp", fsdp), ("tp", tp)):
+        from .replay import Replay, replay_fsdp, replay_tp
+        for name, degree in (("fsdp", fsdp), ("tp", tp), ("dp", dp)):
             if not isinstance(degree, int) or degree < 1:
                 raise ValueError(f"replay_layout: {name}={degree!r} must be a positive int")
-        if fsdp > 1 and tp > 1:
-            raise ValueError(f"replay_layout: fsdp={fsdp} with tp={tp} (2-D) is not replayed "
+        several = [f"{k}={v}" for k, v in (("fsdp", fsdp), ("tp", tp), ("dp", dp)) if v > 1]
+        if len(several) > 1:
+            raise ValueError(f"replay_layout: {' with '.join(several)} (2-D) is not replayed "
                              "yet; replay one degree at a time")
         cfg = _state.config()
         cfg = (profile or cfg.profile, lnc or cfg.lnc)
+        if dp > 1:
+            if not self.collectives:
+                raise ValueError(f"replay_layout: dp={dp} re-prices the traced step's "
+                                 "data-parallel collectives, and it issued none; trace the "
+                                 "step under DDP on one rank")
+            out = Replay(f"dp={dp}")
+            out.device_seconds = self.seconds - sum(c[4] for c in self.collectives)
+            out.flops = self.flops
+            from ..distributed.collectives_model import collective_seconds
+            for op, nbytes, _, _, _ in self.collectives:
+                out._collective(op, nbytes, dp, collective_seconds(op, nbytes, dp, nodes, *cfg))
+            out.seconds = out.device_seconds + out.collective_seconds
+            return out
+        if not self.modules:
+            raise ValueError("replay_layout: the step was traced without its module; trace "
+                             "it with plan.trace(device, module)")
         if tp > 1:
             return replay_tp(self, tp, tp_plan, cfg, nodes)
-        return replay_fsdp(self, fsdp, fsdp_units, cfg, nodes) if fsdp > 1 else \
-            replay_fsdp(self, 1, [], cfg, nodes)
+        return replay_fsdp(self, fsdp, fsdp_units, cfg, nodes)
 
 
 def _tracker(flush, moved, root):
