@@ -150,7 +150,7 @@ def _split_op(o, size: int, n: int, cfg) -> tuple:
 
 def _optimizer_op(o, ratio: float, cfg, params: dict) -> tuple:
     """(seconds, flops) of an optimizer list op over the local parameters: its bytes scaled
-    by local / full elements. That holds for an op over every parameter (one parameter
+    by local / full parameter bytes. That holds for an op over every parameter (one parameter
     group, its state tensors shaped as the parameters): its bytes are then a whole multiple
     of the parameters' bytes, which is checked."""
     c = o.charge
@@ -183,13 +183,14 @@ def _check_plan(tp: int, tp_plan: dict, linears: dict) -> None:
                              f"finds the split dimension by its size, which is ambiguous here")
 
 
-def _local_numel(params: dict, n: int, sharded) -> tuple:
-    """(local, full) parameter elements when the params ``sharded`` says are split n ways."""
+def _local_bytes(params: dict, sharded) -> tuple:
+    """(local, full) parameter bytes, with ``sharded(fqn, shape, numel)`` giving a
+    parameter's local elements."""
     local = full = 0
-    for fqn, (shape, _) in params.items():
+    for fqn, (shape, dtype) in params.items():
         numel = math.prod(shape)
-        full += numel
-        local += sharded(fqn, shape, numel)
+        full += numel * dtype.itemsize
+        local += sharded(fqn, shape, numel) * dtype.itemsize
     return local, full
 
 
@@ -204,7 +205,7 @@ def replay_tp(trace, tp: int, tp_plan: dict, cfg, nodes: int) -> Replay:
         if style == "colwise" or (style == "rowwise" and pname == "weight"):
             return numel // tp
         return numel
-    local, full = _local_numel(trace.params, tp, sharded)
+    local, full = _local_bytes(trace.params, sharded)
     ratio = local / full if full else 1.0
     comm = lambda op, nbytes: collective_seconds(op, nbytes, tp, nodes, cfg[0], cfg[1])  # noqa: E731
     from ..cost_model import copy_seconds, op_seconds
@@ -212,7 +213,8 @@ def replay_tp(trace, tp: int, tp_plan: dict, cfg, nodes: int) -> Replay:
     # The sharded region: forward from a colwise Linear to the next rowwise one, backward
     # from a rowwise Linear to the next colwise one; its ops run on 1/tp of the split dim.
     region = {False: None, True: None}
-    rowwise_fwd, colwise_grad_in = {}, {}
+    # (module, bytes) per launch: a module called twice all-reduces twice
+    rowwise_fwd, colwise_grad_in = [], []
     for o in trace.ops:
         c = o.charge
         if c.engine == "collective":
@@ -233,12 +235,13 @@ def replay_tp(trace, tp: int, tp_plan: dict, cfg, nodes: int) -> Replay:
         seconds, flops = (c.seconds, c.flops) if size is None else _split_op(o, size, tp, cfg)
         out._op(c.name, o.module, o.backward, seconds, flops)
         if style == "rowwise" and not o.backward and c.engine == "tensor":
-            rowwise_fwd[o.module] = c.bytes_out
+            rowwise_fwd += [(o.module, c.bytes_out // c.count)] * c.count
         if (style == "colwise" and o.backward and c.engine == "tensor"
                 and _matmul_k(c) == trace.linears[o.module][1]):
-            colwise_grad_in[o.module] = c.bytes_out   # grad input: contracts out_features
+            # the input gradient: the matmul that contracts out_features
+            colwise_grad_in += [(o.module, c.bytes_out // c.count)] * c.count
     p, lnc = cfg
-    for name, nbytes in rowwise_fwd.items():
+    for name, nbytes in rowwise_fwd:
         fin, fout = trace.linears[name]
         if trace.params.get(name + ".bias") is not None:
             # the replicated bias becomes a Partial sum: DTensor divides it by tp
@@ -247,7 +250,7 @@ def replay_tp(trace, tp: int, tp_plan: dict, cfg, nodes: int) -> Replay:
             out._op("div", name, False, op_seconds(p, lnc, "div", [(fout,)], dtype, b, b)[0])
         out._op("copy_d2d", name, False, copy_seconds(p, lnc, "copy_d2d", nbytes))
         out._collective("all_reduce", nbytes, tp, comm("all_reduce", nbytes))
-    for name, nbytes in colwise_grad_in.items():
+    for name, nbytes in colwise_grad_in:
         out._op("copy_d2d", name, True, copy_seconds(p, lnc, "copy_d2d", nbytes))
         out._collective("all_reduce", nbytes, tp, comm("all_reduce", nbytes))
     out.seconds = out.device_seconds + out.collective_seconds
@@ -289,7 +292,7 @@ def replay_fsdp(trace, n: int, units, cfg, nodes: int) -> Replay:
     def sharded(fqn, shape, numel):
         # a parameter of no unit stays replicated (FSDP2 leaves it alone)
         return min(numel, _shard_numel(shape, n)) if fqn in covered else numel
-    local, full = _local_numel(trace.params, n, sharded)
+    local, full = _local_bytes(trace.params, sharded)
     ratio = local / full if full else 1.0
     for o in trace.ops:
         c = o.charge
