@@ -1,6 +1,7 @@
 """Replaying a step traced on one device under FSDP2 and tensor parallelism: the what-if
 equals the modelled step of real 2-rank runs on the virtual devices ("neuron" backend), and
 the replay keeps FLOPs, signs and errors honest."""
+import contextlib
 import sys
 from pathlib import Path
 
@@ -29,14 +30,21 @@ def real():
     return ranks(2, "_replay_step.py", ",".join(CASES))
 
 
-def _trace(model_name):
-    """The step traced on device 0 of this process, Adaptive Eager off as in the real runs."""
+@contextlib.contextmanager
+def _unfused():
+    """Adaptive Eager off, as in the real runs (docs/plan.md: the replay prices op by op)."""
     was = torch_neuronx.is_adaptive_eager_enabled()
     torch_neuronx.set_adaptive_eager(False)
     try:
-        return step_script.traced_step(model_name, "single", torch.device("neuron", 0))
+        yield
     finally:
         torch_neuronx.set_adaptive_eager(was)
+
+
+def _trace(model_name):
+    """The step traced on device 0 of this process."""
+    with _unfused():
+        return step_script.traced_step(model_name, "single", torch.device("neuron", 0))
 
 
 @pytest.fixture(scope="module")
@@ -202,3 +210,25 @@ def test_uneven_fsdp_shards_replay_rank_0(traced):
     assert real[0]["seconds"] == pytest.approx(predicted.seconds, rel=1e-9)
     assert real[1]["seconds"] == pytest.approx(predicted.seconds, rel=1e-9)
     assert predicted.seconds * (1 - 1e-3) < real[2]["seconds"] < predicted.seconds
+
+
+class _Twice(step_script.MLP):
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(b(x))
+        return x
+
+
+def test_a_unit_called_twice_is_refused_under_fsdp_and_replayed_under_tp():
+    # Checked by hand against real 2-rank runs: TP charges each call's all-reduces (exact);
+    # FSDP2 re-gathers a unit per call (10 collectives), which the replay does not model.
+    dev = torch.device("neuron", 0)
+    model = _Twice().to(dev)
+    x = torch.randn(step_script.TOKENS, step_script.DIM, device=dev)
+    with _unfused(), plan.trace(dev, model) as t:
+        model(x).square().mean().backward()
+    assert t.forward_calls["blocks.0"] == 2 and t.forward_calls[""] == 1
+    with pytest.raises(ValueError, match=r"fsdp unit 'blocks.0' ran forward 2 times"):
+        t.replay_layout(fsdp=2, fsdp_units=FSDP_UNITS)
+    r = t.replay_layout(tp=2, tp_plan=TP_PLAN)
+    assert [c[0] for c in r.collectives] == ["all_reduce"] * 7   # 4 forward, 3 backward

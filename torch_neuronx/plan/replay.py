@@ -302,10 +302,15 @@ def replay_fsdp(trace, n: int, units, cfg, nodes: int) -> Replay:
         seconds, flops = (_optimizer_op(o, ratio, cfg, trace.params)
                           if _is_optimizer(c.name) and ratio != 1.0 else (c.seconds, c.flops))
         out._op(c.name, o.module, o.backward, seconds, flops)
-    gathered = {}   # unit -> (shard elements per parameter, dtype)
+    gathered = {}   # unit -> (shard elements per parameter, dtype, parameter shapes)
     for unit, params in _unit_params(trace, units).items():
         if not params:
             continue
+        calls = trace.forward_calls.get(unit, 0)
+        if calls != 1:
+            raise ValueError(f"replay: fsdp unit {unit!r} ran forward {calls} times in the "
+                             f"traced step; FSDP2 all-gathers and reshards it per call, which "
+                             f"is replayed for one call only")
         dtype = params[0][1]
         if any(d != dtype for _, d in params):
             raise ValueError(f"replay: fsdp unit {unit!r} mixes parameter dtypes; FSDP2 "

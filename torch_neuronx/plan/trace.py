@@ -38,10 +38,12 @@ class StepTrace:
     collectives: list = field(default_factory=list)   # (op, nbytes, group_size, nodes, seconds)
     ops: list = field(default_factory=list)           # TracedOp, in the order they were charged
     # Of the traced module (``trace(device, module)``): parameter fqn -> (shape, dtype),
-    # nn.Linear fqn -> (in_features, out_features), and every submodule's name.
+    # nn.Linear fqn -> (in_features, out_features), every submodule's name, and how many
+    # times each ran forward in the step.
     params: dict = field(default_factory=dict)
     linears: dict = field(default_factory=dict)
     modules: list = field(default_factory=list)
+    forward_calls: dict = field(default_factory=dict)   # submodule name -> forward calls
 
     def replay(self, group_size: int, nodes: int = 1, profile=None, lnc: int | None = None) -> float:
         """Modelled seconds of the traced step with its collectives over ``group_size`` ranks
@@ -97,13 +99,17 @@ class StepTrace:
         return replay_fsdp(self, fsdp, fsdp_units, cfg, nodes)
 
 
-def _tracker(flush, moved, root):
+def _tracker(flush, moved, root, calls: dict):
     """A ModTracker that charges the device's work to the modules it ran under: the runtime
     aggregates op records between drains, so each module boundary first drains (``flush``),
     then notes the new set of active modules (``moved``)."""
     from torch.distributed._tools.mod_tracker import ModTracker
 
     class _Tracker(ModTracker):
+        def _fw_pre_hook(self, mod, input):
+            calls[mod] = calls.get(mod, 0) + 1
+            return super()._fw_pre_hook(mod, input)
+
         def _get_append_fn(self, w_mod, name, is_bw):
             return _around(super()._get_append_fn(w_mod, name, is_bw))
 
@@ -173,7 +179,8 @@ def trace(device=None, module: torch.nn.Module | None = None):
             where[0] = _innermost(tracker.parents, root_name)
             where[1] = tracker.is_bw
 
-        tracker = _tracker(flush, moved, module)
+        calls: dict = {}
+        tracker = _tracker(flush, moved, module, calls)
         out.params = {n: (tuple(p.shape), p.dtype) for n, p in module.named_parameters()}
         out.linears = {n: (m.in_features, m.out_features) for n, m in module.named_modules()
                        if isinstance(m, torch.nn.Linear)}
@@ -193,5 +200,7 @@ def trace(device=None, module: torch.nn.Module | None = None):
     finally:
         collectives_model.listeners.remove(on_collective)
         cost_model._op_listeners.remove(on_op)
+    if module is not None:
+        out.forward_calls = {n: calls.get(m, 0) for n, m in module.named_modules()}
     out.seconds, out.flops, out.hbm_bytes, out.launches, out.link_bytes = (
         t.seconds, t.flops, t.hbm_bytes, t.launches, t.link_bytes)
