@@ -7,6 +7,11 @@ of the work the step ran (``torch_neuronx.modelled_time``) and every collective 
 of the same step with each collective's group resized: the device work as traced, the
 collectives re-priced by the backend's collective model. A data-parallel step traced on one
 rank thus predicts the step on N ranks (tests/plan checks it against a real 2-rank run).
+
+``with plan.trace(device, model) as t: step()`` also keeps each op the cost model charged
+with the submodule of ``model`` it ran under (``t.ops``), and ``t.replay_layout(fsdp=N, ...)``
+/ ``t.replay_layout(tp=N, ...)`` replays a single-device step under FSDP2 or tensor
+parallelism (``plan/replay.py``; tests/plan/test_replay.py checks it against real runs).
 """
 from __future__ import annotations
 
@@ -102,7 +107,8 @@ class StepTrace:
 def _tracker(flush, moved, root, calls: dict):
     """A ModTracker that charges the device's work to the modules it ran under: the runtime
     aggregates op records between drains, so each module boundary first drains (``flush``),
-    then notes the new set of active modules (``moved``)."""
+    then notes the new set of active modules (``moved``); ``calls`` counts each module's
+    forward calls."""
     from torch.distributed._tools.mod_tracker import ModTracker
 
     class _Tracker(ModTracker):
