@@ -217,6 +217,32 @@ _totals: dict = {}
 # Profilers (torch_neuronx.profiling) append callables here; each gets one
 # (device, stream, name, engine, seconds, launches) tuple per modelled interval.
 _listeners: list = []
+# Callables told of every modelled interval with what was charged for it, as one ``OpCharge``
+# each: plan.trace keeps them per op so a what-if can re-price an op for sharded shapes
+# (kept apart from ``_listeners``, whose 6-tuples the profilers unpack).
+_op_listeners: list = []
+
+
+@dataclass(frozen=True)
+class OpCharge:
+    """What the cost model charged for ``count`` launches of one op signature on a device:
+    ``shapes`` (input shapes), ``dtype``, ``bytes_in``/``bytes_out`` and ``flags`` are what
+    ``op_seconds`` priced (None/0 for work added by ``_add_time``: collectives, fused and
+    NKI kernels)."""
+    device: int
+    stream: int
+    name: str
+    engine: str
+    seconds: float
+    count: int
+    flops: float
+    hbm_bytes: int
+    shapes: tuple | None = None
+    dtype: torch.dtype | None = None
+    bytes_in: int = 0
+    bytes_out: int = 0
+    flags: int = 0
+    epoch: int = -1   # the runtime's timeline epoch (cost_model._timeline); -1 for _add_time
 _lock = threading.Lock()  # compiled graphs and collectives add from other threads
 
 
@@ -253,9 +279,16 @@ def op_seconds(p, lnc, op, shapes, dtype, bytes_in, bytes_out, count=1, flags=0)
     return seconds, engine, flops
 
 
+def copy_seconds(p, lnc, op: str, nbytes: int, count: int = 1) -> float:
+    """Seconds of ``count`` DMA copies (``copy_d2d`` within HBM, ``copy_h2d``/``copy_d2h``
+    over the host link) moving ``nbytes`` in all."""
+    link = p.core_hbm_bandwidth(lnc) if op == "copy_d2d" else p.host_link_bandwidth
+    return count * p.dma_fixed_ns * 1e-9 + nbytes / link
+
+
 def _account(record) -> tuple:
-    """Accounts one record's busy time and returns (seconds, engine); the timeline is the
-    caller's."""
+    """Accounts one record's busy time and returns (seconds, engine, flops, hbm_bytes); the
+    timeline is the caller's."""
     name, device, dtype_code, sig, count, bytes_in, bytes_out = record[:7]
     cfg = _state.config()
     p, lnc = cfg.profile, cfg.lnc
@@ -263,19 +296,20 @@ def _account(record) -> tuple:
     op = name.split("::", 1)[-1]
     dtype = _dtype_from_code(dtype_code)
     if op.startswith("copy_"):
-        link = p.core_hbm_bandwidth(lnc) if op == "copy_d2d" else p.host_link_bandwidth
-        seconds = count * p.dma_fixed_ns * 1e-9 + bytes_out / link
+        seconds = copy_seconds(p, lnc, op, bytes_out, count)
         t.host_bytes += 0 if op == "copy_d2d" else bytes_out
         engine = "dma"
+        flops, hbm = 0.0, 0
     else:
         seconds, engine, flops = op_seconds(p, lnc, op, _shapes(sig), dtype, bytes_in,
                                             bytes_out, count, _flags(sig))
+        hbm = bytes_in + bytes_out
         t.flops += flops
-        t.hbm_bytes += bytes_in + bytes_out
+        t.hbm_bytes += hbm
     t.launches += count
     t.by_op[op] += seconds
     t.by_engine[engine] += seconds
-    return seconds, engine
+    return seconds, engine, flops, hbm
 
 
 # Per device: the newest epoch seen and its busy seconds per stream, since later records may
@@ -310,10 +344,18 @@ def _drain() -> None:
     with _lock:
         epochs: dict = defaultdict(lambda: defaultdict(float))
         for record in records:
-            seconds, engine = _account(record)
+            seconds, engine, flops, hbm = _account(record)
             device, stream, epoch = record[1], record[7], record[8]
+            op = record[0].split("::", 1)[-1]
             for listen in _listeners:
-                listen((device, stream, record[0].split("::", 1)[-1], engine, seconds, record[4]))
+                listen((device, stream, op, engine, seconds, record[4]))
+            if _op_listeners:
+                sig = record[3]
+                charge = OpCharge(device, stream, op, engine, seconds, record[4], flops, hbm,
+                                  tuple(_shapes(sig)), _dtype_from_code(record[2]), record[5],
+                                  record[6], _flags(sig), epoch)
+                for listen in _op_listeners:
+                    listen(charge)
             epochs[(device, epoch)][stream] += seconds
         for (device, epoch), busy in sorted(epochs.items()):
             _timeline(device, epoch, busy)
@@ -363,3 +405,7 @@ def _add_time(device: int, name: str, seconds: float, *, engine: str, launches: 
         t.by_engine[engine] += seconds
         for listen in _listeners:
             listen((device, 0, name, engine, seconds, launches))
+        if _op_listeners:
+            charge = OpCharge(device, 0, name, engine, seconds, launches, flops, hbm_bytes)
+            for listen in _op_listeners:
+                listen(charge)

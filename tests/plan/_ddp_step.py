@@ -34,7 +34,9 @@ def main():
     with plan.trace(dev) as t:
         step()
     print("TRACE " + json.dumps({"seconds": t.seconds, "collectives": t.collectives,
-                                 "replay2": t.replay(2), "replay4": t.replay(4)}), flush=True)
+                                 "replay2": t.replay(2), "replay4": t.replay(4),
+                                 "layout2": t.replay_layout(dp=2).seconds,
+                                 "layout4": t.replay_layout(dp=4).seconds}), flush=True)
     dist.destroy_process_group()
 
 

@@ -168,29 +168,11 @@ def test_plots_hold_the_estimates(tmp_path):
 
 
 def _ranks(n):
-    import json
-    import os
-    import socket
-    import subprocess
     import sys
     from pathlib import Path
-    here = Path(__file__).resolve().parent
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(n):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", PYTHONPATH=str(here.parent.parent))
-        procs.append(subprocess.Popen([sys.executable, str(here / "_ddp_step.py")], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = []
-    for p in procs:
-        out, _ = p.communicate(timeout=240)
-        assert p.returncode == 0, out[-3000:]
-        outs.append(json.loads(next(line[6:] for line in out.splitlines() if line.startswith("TRACE "))))
-    return outs
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _launch import ranks
+    return ranks(n, "_ddp_step.py")
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -201,6 +183,7 @@ def test_data_parallel_what_if_equals_a_real_run(world):
     assert one["collectives"] and all(c[0] == "all_reduce" and c[2] == 1 for c in one["collectives"])
     real = _ranks(world)
     predicted = one[f"replay{world}"]
+    assert one[f"layout{world}"] == pytest.approx(predicted, rel=1e-12)   # replay_layout(dp=N)
     for r in real:
         assert [c[1] for c in r["collectives"]] == [c[1] for c in one["collectives"]]
         assert r["seconds"] == pytest.approx(predicted, rel=1e-6)

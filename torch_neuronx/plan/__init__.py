@@ -11,10 +11,11 @@ N Trainium chips under any parallel layout (docs/plan.md).
 from .cluster import INSTANCES, Cluster, cluster
 from .estimate import Estimate, training_step
 from .layout import Layout
+from .replay import Replay
 from .serve import ServeEstimate, serving
 from .sweep import layouts, sweep
 from .trace import trace
 from .workload import PRESETS, TransformerConfig
 
-__all__ = ["INSTANCES", "Cluster", "cluster", "Estimate", "training_step", "Layout",
+__all__ = ["INSTANCES", "Cluster", "cluster", "Estimate", "training_step", "Layout", "Replay",
            "ServeEstimate", "serving", "layouts", "sweep", "trace", "PRESETS", "TransformerConfig"]

@@ -7,6 +7,11 @@ of the work the step ran (``torch_neuronx.modelled_time``) and every collective 
 of the same step with each collective's group resized: the device work as traced, the
 collectives re-priced by the backend's collective model. A data-parallel step traced on one
 rank thus predicts the step on N ranks (tests/plan checks it against a real 2-rank run).
+
+``with plan.trace(device, model) as t: step()`` also keeps each op the cost model charged
+with the submodule of ``model`` it ran under (``t.ops``), and ``t.replay_layout(fsdp=N, ...)``
+/ ``t.replay_layout(tp=N, ...)`` replays a single-device step under FSDP2 or tensor
+parallelism (``plan/replay.py``; tests/plan/test_replay.py checks it against real runs).
 """
 from __future__ import annotations
 
@@ -14,6 +19,18 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass(frozen=True)
+class TracedOp:
+    """One op signature as the cost model charged it during the traced step (``charge``: a
+    ``cost_model.OpCharge``), and the module it ran under: the innermost module's name
+    relative to the traced root ("" for the root, None outside it, e.g. a loss computed
+    after the root's forward; None for every op when no module was traced), and whether it
+    ran in the backward pass."""
+    charge: object
+    module: str | None = None
+    backward: bool = False
 
 
 @dataclass
@@ -24,6 +41,14 @@ class StepTrace:
     launches: int = 0
     link_bytes: int = 0
     collectives: list = field(default_factory=list)   # (op, nbytes, group_size, nodes, seconds)
+    ops: list = field(default_factory=list)           # TracedOp, in the order they were charged
+    # Of the traced module (``trace(device, module)``): parameter fqn -> (shape, dtype),
+    # nn.Linear fqn -> (in_features, out_features), every submodule's name, and how many
+    # times each ran forward in the step.
+    params: dict = field(default_factory=dict)
+    linears: dict = field(default_factory=dict)
+    modules: list = field(default_factory=list)
+    forward_calls: dict = field(default_factory=dict)   # submodule name -> forward calls
 
     def replay(self, group_size: int, nodes: int = 1, profile=None, lnc: int | None = None) -> float:
         """Modelled seconds of the traced step with its collectives over ``group_size`` ranks
@@ -38,9 +63,95 @@ class StepTrace:
                       for op, nbytes, _, _, _ in self.collectives)
         return self.seconds - traced + resized
 
+    def replay_layout(self, *, fsdp: int = 1, fsdp_units=None, tp: int = 1, tp_plan=None,
+                      dp: int = 1, nodes: int = 1, profile=None, lnc: int | None = None):
+        """One rank's modelled step (a ``plan.replay.Replay``) when the traced step runs under
+        FSDP2 over ``fsdp`` ranks (``fully_shard`` on each module named in ``fsdp_units``,
+        "" for the root), tensor parallelism over ``tp`` ranks (``tp_plan``: Linear module
+        name -> "colwise" | "rowwise", as ``parallelize_module``'s plan), or data parallelism
+        over ``dp`` ranks, on ``nodes`` nodes. fsdp and tp replay a single-device step traced
+        with ``trace(device, module)``; dp a DDP step traced on one rank (its collectives
+        re-priced, as ``replay``). One degree at a time; docs/plan.md says what is charged."""
+        from .. import _state
+        from .replay import Replay, replay_fsdp, replay_tp
+        for name, degree in (("fsdp", fsdp), ("tp", tp), ("dp", dp)):
+            if not isinstance(degree, int) or degree < 1:
+                raise ValueError(f"replay_layout: {name}={degree!r} must be a positive int")
+        several = [f"{k}={v}" for k, v in (("fsdp", fsdp), ("tp", tp), ("dp", dp)) if v > 1]
+        if len(several) > 1:
+            raise ValueError(f"replay_layout: {' with '.join(several)} (2-D) is not replayed "
+                             "yet; replay one degree at a time")
+        cfg = _state.config()
+        cfg = (profile or cfg.profile, lnc or cfg.lnc)
+        if dp > 1:
+            if not self.collectives:
+                raise ValueError(f"replay_layout: dp={dp} re-prices the traced step's "
+                                 "data-parallel collectives, and it issued none; trace the "
+                                 "step under DDP on one rank")
+            out = Replay(f"dp={dp}")
+            out.device_seconds = self.seconds - sum(c[4] for c in self.collectives)
+            out.flops = self.flops
+            from ..distributed.collectives_model import collective_seconds
+            for op, nbytes, _, _, _ in self.collectives:
+                out._collective(op, nbytes, dp, collective_seconds(op, nbytes, dp, nodes, *cfg))
+            out.seconds = out.device_seconds + out.collective_seconds
+            return out
+        if not self.modules:
+            raise ValueError("replay_layout: the step was traced without its module; trace "
+                             "it with plan.trace(device, module)")
+        if tp > 1:
+            return replay_tp(self, tp, tp_plan, cfg, nodes)
+        return replay_fsdp(self, fsdp, fsdp_units, cfg, nodes)
+
+
+def _tracker(flush, moved, root, calls: dict):
+    """A ModTracker that charges the device's work to the modules it ran under: the runtime
+    aggregates op records between drains, so each module boundary first drains (``flush``),
+    then notes the new set of active modules (``moved``); ``calls`` counts each module's
+    forward calls."""
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    class _Tracker(ModTracker):
+        def _fw_pre_hook(self, mod, input):
+            calls[mod] = calls.get(mod, 0) + 1
+            return super()._fw_pre_hook(mod, input)
+
+        def _get_append_fn(self, w_mod, name, is_bw):
+            return _around(super()._get_append_fn(w_mod, name, is_bw))
+
+        def _get_pop_fn(self, w_mod, name, is_bw):
+            return _around(super()._get_pop_fn(w_mod, name, is_bw))
+
+    def _around(inner):
+        def fn(*args):
+            flush()
+            out = inner(*args)
+            moved()
+            return out
+        return fn
+
+    t = _Tracker()
+    t._get_mod_name(root)   # names every submodule "<RootType>.<fqn>" up front
+    return t
+
+
+def _innermost(parents, root_name: str):
+    """The name (relative to the root, "" for the root itself) of the deepest active module,
+    or None outside the root (a loss computed after its forward, say)."""
+    names = [p for p in parents if p == root_name or p.startswith(root_name + ".")]
+    if not names:
+        return None
+    deepest = max(names, key=lambda n: n.count("."))
+    return deepest[len(root_name) + 1:] if deepest != root_name else ""
+
 
 @contextlib.contextmanager
-def trace(device=None):
+def trace(device=None, module: torch.nn.Module | None = None):
+    """Trace one step on ``device``: totals, collectives, and every op the cost model charged
+    (``StepTrace.ops``). With ``module``, each op also names the innermost submodule of
+    ``module`` it ran under, forward or backward (the op records are drained at every module
+    boundary; the device is not waited for, so the step and its time are unchanged)."""
+    from .. import cost_model
     from ..cost_model import modelled_time
     from ..distributed import collectives_model
     from ..neuron import _index
@@ -48,17 +159,54 @@ def trace(device=None):
     torch.neuron.synchronize(device)
     modelled_time(device, reset=True)
     out = StepTrace()
+    # the module (None: outside the traced module) and backward flag that the device's
+    # pending work is charged to: the state after the last module boundary
+    where = [None, False]
 
     def on_collective(dev, op, nbytes, size, nodes, seconds):
         if dev == idx:
             out.collectives.append((op, nbytes, size, nodes, seconds))
 
+    def on_op(charge):
+        if charge.device == idx:
+            out.ops.append(TracedOp(charge, where[0], where[1]))
+
+    tracker = None
+    if module is not None:
+        root_name = type(module).__name__
+
+        def flush():
+            # ops are recorded when launched, on this thread: no need to wait for the device
+            # (a wait would start a timeline epoch and close fusion windows, changing the
+            # step); a fusion window open at the boundary is recorded when it closes.
+            cost_model._drain()
+
+        def moved():
+            where[0] = _innermost(tracker.parents, root_name)
+            where[1] = tracker.is_bw
+
+        calls: dict = {}
+        tracker = _tracker(flush, moved, module, calls)
+        out.params = {n: (tuple(p.shape), p.dtype) for n, p in module.named_parameters()}
+        out.linears = {n: (m.in_features, m.out_features) for n, m in module.named_modules()
+                       if isinstance(m, torch.nn.Linear)}
+        out.modules = [n for n, _ in module.named_modules()]
     collectives_model.listeners.append(on_collective)
+    cost_model._op_listeners.append(on_op)
     try:
-        yield out
-        torch.neuron.synchronize(device)
+        if tracker is not None:
+            with tracker:
+                yield out
+                torch.neuron.synchronize(device)
+                cost_model._drain()
+        else:
+            yield out
+            torch.neuron.synchronize(device)
+        t = modelled_time(device, reset=True)   # drains the rest while on_op still listens
     finally:
         collectives_model.listeners.remove(on_collective)
-    t = modelled_time(device, reset=True)
+        cost_model._op_listeners.remove(on_op)
+    if module is not None:
+        out.forward_calls = {n: calls.get(m, 0) for n, m in module.named_modules()}
     out.seconds, out.flops, out.hbm_bytes, out.launches, out.link_bytes = (
         t.seconds, t.flops, t.hbm_bytes, t.launches, t.link_bytes)

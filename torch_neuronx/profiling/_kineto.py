@@ -50,8 +50,7 @@ def _modelled(records) -> list:
         if got is None:
             op = name.split("::", 1)[-1]
             if op.startswith("copy_"):
-                link = p.core_hbm_bandwidth(lnc) if op == "copy_d2d" else p.host_link_bandwidth
-                got = (p.dma_fixed_ns * 1e-9 + bytes_out / link, "dma", 0.0,
+                got = (cost_model.copy_seconds(p, lnc, op, bytes_out), "dma", 0.0,
                        bytes_out if op == "copy_d2d" else 0)
             else:
                 seconds, engine, flops = cost_model.op_seconds(

@@ -1,0 +1,149 @@
+"""One training step on neuron, traced, of a small MLP stack (``mlp``) or the demo GPT
+(``gpt``): ``<model>-single`` on one device (per op, with the module each op ran under),
+``<model>-fsdp`` (FSDP2 ``fully_shard`` on each of ``MODELS[model].fsdp_units``) or
+``<model>-tp`` (``parallelize_module`` with ``MODELS[model].tp_plan``) over WORLD_SIZE ranks.
+Prints the traces as JSON after "TRACE ". Run as a rank (RANK, WORLD_SIZE, MASTER_ADDR/PORT in
+the environment); single-device modes also run without them."""
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+import torch_neuronx
+from torch_neuronx import plan
+from torch_neuronx.demo.gpt import GPT, GPTConfig
+
+DIM, BLOCKS, TOKENS = 256, 2, 128
+GPT_CONFIG = GPTConfig(n_layer=2)
+GPT_BATCH = 2
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+class MLP(nn.Module):
+    def __init__(self, d=DIM, n=BLOCKS):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+@dataclass
+class Workload:
+    make: object        # () -> nn.Module
+    batch: object       # (generator) -> inputs (CPU)
+    loss: object        # (model, inputs on the device) -> loss
+    tp_plan: dict | None
+    fsdp_units: list
+
+
+def _gpt_batch(g):
+    return torch.randint(0, GPT_CONFIG.vocab_size, (GPT_BATCH, GPT_CONFIG.block_size), generator=g)
+
+
+MODELS = {
+    "mlp": Workload(MLP, lambda g: torch.randn(TOKENS, DIM, generator=g),
+                    lambda m, x: m(x).square().mean(),
+                    {f"blocks.{i}.{name}": style for i in range(BLOCKS)
+                     for name, style in (("fc1", "colwise"), ("fc2", "rowwise"))},
+                    [f"blocks.{i}" for i in range(BLOCKS)] + [""]),
+    # FSDP only: a tensor-parallel GPT needs a head-aware plan for its fused qkv projection,
+    # and an optimizer over DTensor and plain parameters at once is refused by DTensor.
+    "gpt": Workload(lambda: GPT(GPT_CONFIG), _gpt_batch, lambda m, x: m(x, x)[1], None,
+                    [f"blocks.{i}" for i in range(GPT_CONFIG.n_layer)] + [""]),
+}
+
+
+def build(model_name: str, layout: str, dev):
+    """The model and its optimizer, laid out (``single``, ``fsdp`` or ``tp``)."""
+    w = MODELS[model_name]
+    torch.manual_seed(0)
+    model = w.make().to(dev)
+    if layout == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+        for name in w.fsdp_units:
+            fully_shard(model.get_submodule(name))
+    elif layout == "tp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                       parallelize_module)
+        mesh = init_device_mesh("neuron", (int(os.environ["WORLD_SIZE"]),))
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        parallelize_module(model, mesh, {k: styles[v]() for k, v in w.tp_plan.items()})
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    return model, opt
+
+
+def traced_step(model_name: str, layout: str, dev, rank: int = 0):
+    """Builds, warms up (FSDP's lazy init, DTensor's sharding caches) and traces one step."""
+    w = MODELS[model_name]
+    model, opt = build(model_name, layout, dev)
+    # TP ranks must see the same tokens; FSDP ranks (data parallel) see their own.
+    g = torch.Generator().manual_seed(rank if layout == "fsdp" else 0)
+    x = w.batch(g).to(dev)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        w.loss(model, x).backward()
+        opt.step()
+
+    step()
+    step()
+    with plan.trace(dev, model if layout == "single" else None) as t:
+        step()
+    return t
+
+
+def main():
+    """``_replay_step.py MODES [WORLD]``: MODES a comma-separated list of ``<model>-<layout>``,
+    run one after the other in one process group; a ``-single`` mode also prints its
+    replays for WORLD ranks (default 2)."""
+    modes = sys.argv[1].split(",")
+    # The replay prices op by op; Adaptive Eager windows (fused pointwise kernels) close at
+    # every collective and stream wait of the real runs, which the single-device step does
+    # not have, so both sides run unfused (docs/plan.md, "Replaying a traced step");
+    # REPLAY_ADAPTIVE_EAGER=1 keeps it on, to measure what that costs the replay.
+    torch_neuronx.set_adaptive_eager(os.environ.get("REPLAY_ADAPTIVE_EAGER") == "1")
+    rank = int(os.environ.get("RANK", "0"))
+    distributed = not all(m.endswith("-single") for m in modes)
+    if distributed:
+        import torch.distributed as dist
+        dist.init_process_group("neuron")
+    dev = torch.device("neuron", rank)
+    torch.neuron.set_device(dev)
+    out = {}
+    for mode in modes:
+        model_name, layout = mode.split("-")
+        t = traced_step(model_name, layout, dev, rank)
+        out[mode] = {"seconds": t.seconds, "flops": t.flops, "collectives": t.collectives,
+                     "ops": [[o.charge.name, o.charge.count, o.charge.seconds,
+                              [list(s) for s in o.charge.shapes or ()], o.module, o.backward,
+                              o.charge.bytes_in, o.charge.bytes_out, o.charge.stream,
+                              o.charge.epoch] for o in t.ops]}
+        if layout == "single":
+            world, w = int(sys.argv[2]) if len(sys.argv) > 2 else 2, MODELS[model_name]
+            out[mode]["fsdp"] = t.replay_layout(fsdp=world, fsdp_units=w.fsdp_units).seconds
+            if w.tp_plan:
+                out[mode]["tp"] = t.replay_layout(tp=world, tp_plan=w.tp_plan).seconds
+    print("TRACE " + json.dumps(out), flush=True)
+    if distributed:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

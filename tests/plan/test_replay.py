@@ -1,0 +1,234 @@
+"""Replaying a step traced on one device under FSDP2 and tensor parallelism: the what-if
+equals the modelled step of real 2-rank runs on the virtual devices ("neuron" backend), and
+the replay keeps FLOPs, signs and errors honest."""
+import contextlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import torch_neuronx
+from torch_neuronx import plan
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import _replay_step as step_script  # noqa: E402
+from _launch import ranks  # noqa: E402
+
+
+MLP, GPT = step_script.MODELS["mlp"], step_script.MODELS["gpt"]
+TP_PLAN, FSDP_UNITS = MLP.tp_plan, MLP.fsdp_units
+CASES = {"mlp-fsdp": ("mlp", dict(fsdp=2, fsdp_units=MLP.fsdp_units)),
+         "mlp-tp": ("mlp", dict(tp=2, tp_plan=MLP.tp_plan)),
+         "gpt-fsdp": ("gpt", dict(fsdp=2, fsdp_units=GPT.fsdp_units))}
+
+
+@pytest.fixture(scope="module")
+def real():
+    """Each case's step, one after the other, traced on each rank of one real 2-rank run."""
+    return ranks(2, "_replay_step.py", ",".join(CASES))
+
+
+@contextlib.contextmanager
+def _unfused():
+    """Adaptive Eager off, as in the real runs (docs/plan.md: the replay prices op by op)."""
+    was = torch_neuronx.is_adaptive_eager_enabled()
+    torch_neuronx.set_adaptive_eager(False)
+    try:
+        yield
+    finally:
+        torch_neuronx.set_adaptive_eager(was)
+
+
+def _trace(model_name):
+    """The step traced on device 0 of this process."""
+    with _unfused():
+        return step_script.traced_step(model_name, "single", torch.device("neuron", 0))
+
+
+@pytest.fixture(scope="module")
+def traced():
+    return _trace("mlp")
+
+
+@pytest.fixture(scope="module")
+def traced_gpt():
+    return _trace("gpt")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_replay_equals_a_real_2_rank_run(traced, traced_gpt, real, case):
+    """A step traced on one device, replayed for FSDP=2 (fully_shard per block and the root)
+    or TP=2 (Megatron colwise/rowwise plan), equals the modelled time each rank of a real
+    2-rank run reports, collective by collective: an MLP of two blocks under both, the demo
+    GPT (two layers, the root holding the embeddings and the tied head) under FSDP."""
+    model_name, layout = CASES[case]
+    t = traced if model_name == "mlp" else traced_gpt
+    predicted = t.replay_layout(**layout)
+    assert not t.collectives
+    for rank in real:
+        r = rank[case]
+        assert [c[:3] for c in r["collectives"]] == [list(c[:3]) for c in predicted.collectives]
+        assert [c[4] for c in r["collectives"]] == pytest.approx(
+            [c[3] for c in predicted.collectives], rel=1e-12)
+        assert r["seconds"] == pytest.approx(predicted.seconds, rel=1e-9)
+    # the layout changes the step: the what-if is not the traced time
+    assert abs(predicted.seconds - t.seconds) > 1e-3 * t.seconds
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_halves_the_matmul_flops_of_the_parallel_modules(traced, tp):
+    r = traced.replay_layout(tp=tp, tp_plan=TP_PLAN)
+    parallel = set(TP_PLAN)
+    traced_par = sum(o.charge.flops for o in traced.ops if o.module in parallel)
+    traced_rest = sum(o.charge.flops for o in traced.ops if o.module not in parallel)
+    replay_par = sum(f for _, m, _, _, f in r.ops if m in parallel)
+    assert traced_par > 0.9 * traced.flops     # the MLP's FLOPs are its Linear layers'
+    assert replay_par == pytest.approx(traced_par / tp, rel=1e-12)
+    assert r.flops == pytest.approx(traced_par / tp + traced_rest, rel=1e-12)
+    # the step traced: its ops sum to its modelled time (one stream, no collectives)
+    assert sum(o.charge.seconds for o in traced.ops) == pytest.approx(traced.seconds, rel=1e-12)
+
+
+@pytest.mark.parametrize("layout", [dict(fsdp=2), dict(fsdp=4), dict(fsdp=8), dict(fsdp=3),
+                                    dict(tp=2), dict(tp=4), dict(tp=8)])
+def test_replayed_terms_are_never_negative(traced, layout):
+    extra = (dict(fsdp_units=FSDP_UNITS) if "fsdp" in layout
+             else dict(tp_plan=TP_PLAN))
+    r = traced.replay_layout(**layout, **extra)
+    assert r.collectives and all(c[3] >= 0 and c[1] > 0 for c in r.collectives)
+    assert all(op[3] >= 0 for op in r.ops)
+    assert r.overlap_seconds >= 0
+    assert r.seconds == pytest.approx(r.device_seconds + r.collective_seconds - r.overlap_seconds)
+    if "fsdp" in layout:
+        # FSDP keeps every device's compute, adds communication: never faster than traced
+        assert r.flops == pytest.approx(traced.flops, rel=1e-12)
+        assert r.seconds > traced.seconds
+
+
+def test_fsdp_optimizer_work_is_divided_by_the_degree(traced):
+    opt = [o for o in traced.ops if o.charge.name.startswith("_foreach_")]
+    assert opt
+    for n in (2, 4):
+        r = traced.replay_layout(fsdp=n, fsdp_units=FSDP_UNITS)
+        replayed = [op for op in r.ops if op[0].startswith("_foreach_") and op[1] is None]
+        assert len(replayed) == len(opt)
+        from torch_neuronx import _state
+        from torch_neuronx.cost_model import op_seconds
+        cfg = _state.config()
+        for o, rep in zip(opt, replayed):
+            c = o.charge
+            want = op_seconds(cfg.profile, cfg.lnc, c.name, list(c.shapes), c.dtype,
+                              c.bytes_in // n, c.bytes_out // n, c.count)[0]
+            assert rep[3] == pytest.approx(want, rel=1e-12) and rep[3] < c.seconds
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(tp=2, tp_plan={"blocks.0.fc3": "colwise"}),
+     r"tp_plan names 'blocks.0.fc3', which is not an nn.Linear of the traced module"),
+    (dict(tp=3, tp_plan=TP_PLAN),
+     r"tp=3 does not divide blocks.0.fc1.out_features=1024 \(colwise-parallel splits "
+     r"out_features; Linear\(256, 1024\)\)"),
+    (dict(tp=2, tp_plan={"blocks.0.fc1": "diagonal"}), r"tp_plan\['blocks.0.fc1'\] = 'diagonal'"),
+    (dict(tp=2), r"tp > 1 needs tp_plan"),
+    (dict(fsdp=2), r"fsdp > 1 needs fsdp_units"),
+    (dict(fsdp=2, fsdp_units=["blocks.7"]), r"fsdp_units names 'blocks.7'"),
+    (dict(fsdp=2, fsdp_units=[""], tp=2, tp_plan=TP_PLAN), r"fsdp=2 with tp=2"),
+    (dict(fsdp=0), r"fsdp=0 must be a positive int"),
+    (dict(dp=2), r"dp=2 re-prices the traced step's data-parallel collectives, and it issued none"),
+    (dict(dp=2, tp=2, tp_plan=TP_PLAN), r"tp=2 with dp=2 \(2-D\)"),
+])
+def test_bad_layouts_raise_clear_errors(traced, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        traced.replay_layout(**kwargs)
+
+
+def test_rowwise_degree_not_dividing_in_features_names_the_module(traced):
+    with pytest.raises(ValueError, match=r"tp=3 does not divide blocks.1.fc2.in_features=1024"):
+        traced.replay_layout(tp=3, tp_plan={"blocks.1.fc2": "rowwise"})
+
+
+def test_a_trace_without_its_module_cannot_be_replayed():
+    x = torch.ones(4, 4, device="neuron")
+    with plan.trace() as t:
+        (x @ x).sum()
+    with pytest.raises(ValueError, match=r"traced without its module"):
+        t.replay_layout(tp=2, tp_plan={})
+
+
+def _mlp_step(opt_groups):
+    dev = torch.device("neuron", 0)
+    model = step_script.MLP().to(dev)
+    opt = torch.optim.SGD(opt_groups(model), lr=0.01)
+    x = torch.randn(step_script.TOKENS, step_script.DIM, device=dev)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        opt.step()
+    step()
+    return model, step
+
+
+def test_tracing_the_modules_does_not_change_the_step():
+    # Adaptive Eager on (the default): the trace drains records at module boundaries without
+    # waiting for the device, so fusion windows and timeline epochs stay as untraced.
+    assert torch_neuronx.is_adaptive_eager_enabled()
+    model, step = _mlp_step(lambda m: m.parameters())
+    with plan.trace() as plain:
+        step()
+    with plan.trace("neuron", model) as tracked:
+        step()
+    assert tracked.seconds == pytest.approx(plain.seconds, rel=1e-12)
+    assert sum(o.charge.seconds for o in tracked.ops) == pytest.approx(tracked.seconds, rel=1e-12)
+    assert {o.module for o in tracked.ops} >= {"blocks.0.fc1", "blocks.1.fc2", None}
+
+
+def test_an_optimizer_over_some_parameters_is_refused():
+    def groups(m):
+        first = list(m.blocks[0].fc1.parameters())
+        rest = [p for p in m.parameters() if all(p is not q for q in first)]
+        return [{"params": first}, {"params": rest, "lr": 0.1}]
+    model, step = _mlp_step(groups)
+    with plan.trace("neuron", model) as t:
+        step()
+    with pytest.raises(ValueError, match=r"optimizer op _foreach_add_ moved \d+ bytes, not a "
+                                         r"multiple of the \d+ bytes of the parameters"):
+        t.replay_layout(fsdp=2, fsdp_units=FSDP_UNITS)
+
+
+def test_uneven_fsdp_shards_replay_rank_0(traced):
+    """FSDP=3 does not divide the MLP's 1024 and 256 rows: FSDP2 pads every shard to
+    ceil(rows / 3) rows (and zeroes a padded copy of each such gradient before the
+    reduce-scatter). The replay is rank 0's step, whose shards are the full ones, and the
+    slowest: the last rank's shorter shards make its optimizer step a little cheaper."""
+    predicted = traced.replay_layout(fsdp=3, fsdp_units=FSDP_UNITS)
+    real = [r["mlp-fsdp"] for r in ranks(3, "_replay_step.py", "mlp-fsdp")]
+    for r in real:
+        assert [c[:3] for c in r["collectives"]] == [list(c[:3]) for c in predicted.collectives]
+    assert real[0]["seconds"] == pytest.approx(predicted.seconds, rel=1e-9)
+    assert real[1]["seconds"] == pytest.approx(predicted.seconds, rel=1e-9)
+    assert predicted.seconds * (1 - 1e-3) < real[2]["seconds"] < predicted.seconds
+
+
+class _Twice(step_script.MLP):
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(b(x))
+        return x
+
+
+def test_a_unit_called_twice_is_refused_under_fsdp_and_replayed_under_tp():
+    # Checked by hand against real 2-rank runs: TP charges each call's all-reduces (exact);
+    # FSDP2 re-gathers a unit per call (10 collectives), which the replay does not model.
+    dev = torch.device("neuron", 0)
+    model = _Twice().to(dev)
+    x = torch.randn(step_script.TOKENS, step_script.DIM, device=dev)
+    with _unfused(), plan.trace(dev, model) as t:
+        model(x).square().mean().backward()
+    assert t.forward_calls["blocks.0"] == 2 and t.forward_calls[""] == 1
+    with pytest.raises(ValueError, match=r"fsdp unit 'blocks.0' ran forward 2 times"):
+        t.replay_layout(fsdp=2, fsdp_units=FSDP_UNITS)
+    r = t.replay_layout(tp=2, tp_plan=TP_PLAN)
+    assert [c[0] for c in r.collectives] == ["all_reduce"] * 7   # 4 forward, 3 backward
