@@ -171,7 +171,7 @@ def _ranks(n):
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _launch import ranks
+    from _plan_ranks import ranks
     return ranks(n, "_ddp_step.py")
 
 

@@ -14,7 +14,7 @@ from torch_neuronx import plan
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import _replay_step as step_script  # noqa: E402
-from _launch import ranks  # noqa: E402
+from _plan_ranks import ranks  # noqa: E402
 
 
 MLP, GPT = step_script.MODELS["mlp"], step_script.MODELS["gpt"]
