@@ -128,6 +128,7 @@ def test_totals_equal_the_allocators_statistics(recording):
     assert sorted(b["requested_size"] for s in segs for b in s["blocks"]
                   if b["state"] == "active_allocated") == [1000, 3 << 20, 5 << 20]
     assert [b["state"] for s in segs for b in s["blocks"] if b["size"] == KIB4] == ["inactive"]
+    assert torch.neuron.memory_snapshot() == snap["segments"]   # torch.cuda.memory_snapshot's
     del xs
 
 
@@ -201,6 +202,39 @@ def test_other_threads_and_backward_record_without_deadlock(recording):
             if e["action"] == "alloc" and e["addr"] == out[0].data_ptr()]
     assert _where(e["frames"])[2] == "worker"
     assert w.grad is not None
+
+
+def test_oom_is_recorded_with_its_line(recording):
+    mem._record_memory_history(stacks="python")
+    total = torch.neuron.get_device_properties(0).total_memory
+    line = _line()
+    with pytest.raises(torch.OutOfMemoryError):
+        _bytes(total + 1)
+    snap = mem._snapshot()
+    (e,) = [e for e in snap["device_traces"][0] if e["action"] == "oom"]
+    assert (e["size"], e["device_free"]) == (total + 1, total - torch.neuron.memory_reserved(0))
+    assert _where(e["frames"]) == (os.path.basename(__file__), line + 1, "test_oom_is_recorded_with_its_line")
+    assert f"raise OutOfMemoryError # {_memory_viz.Bytes(total + 1)} requested" in _memory_viz.trace(snap)
+
+
+def test_adopted_buffer_freed_behind_queued_work_completes_later(recording):
+    mem._record_memory_history(stacks="python")
+    a = torch.randn(1024, 1024, device="neuron")
+    a @ a         # a signature's first launch runs synchronously; later ones are queued
+    torch.neuron.synchronize()
+    cpu = torch.empty(1000, dtype=torch.uint8)
+    t = torch_neuronx._C._adopt_tensor(cpu, 0)   # a CPU kernel's output becomes device memory
+    p = cpu.data_ptr()
+    b = a @ a     # a 2-GFLOP matmul: the device is still busy when t goes
+    del t
+    pending = [s["blocks"][0]["state"] for s in mem._snapshot()["segments"] if s["address"] == p]
+    torch.neuron.synchronize()
+    torch.neuron.empty_cache()    # releases what the queue has passed
+    assert pending == ["active_pending_free"]
+    assert [(a_, s_) for a_, p_, s_ in _trace(mem._snapshot()) if p_ == p] == [
+        ("segment_alloc", 1000), ("alloc", 1000), ("free_requested", 1000),
+        ("free_completed", 1000), ("segment_free", 1000)]
+    del a, b
 
 
 def test_bad_arguments_name_themselves():

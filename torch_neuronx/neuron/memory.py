@@ -202,6 +202,16 @@ def _snapshot(device=None, augment_with_fx_traces: bool = False) -> dict:
     return s
 
 
+def memory_snapshot(mempool_id=None, include_traces: bool = True) -> list:
+    """The allocator's segments on every device, as ``torch.cuda.memory_snapshot``: the
+    ``segments`` of ``_snapshot()``. The allocator has one pool, ``(0, 0)``; ``include_traces``
+    (CUDA's switch for a lighter snapshot) does not change the segments."""
+    if mempool_id is not None and tuple(mempool_id) != (0, 0):
+        raise ValueError(f"memory_snapshot: mempool_id {mempool_id!r} is not a pool of the neuron "
+                         f"allocator (it has one, (0, 0))")
+    return _C._memory_snapshot()["segments"]
+
+
 def _dump_snapshot(filename="dump_snapshot.pickle", augment_with_fx_traces: bool = False) -> None:
     """Pickle ``_snapshot()`` to ``filename`` for ``python -m torch.cuda._memory_viz`` or
     pytorch.org/memory_viz."""
