@@ -249,8 +249,9 @@ class NeuronAllocator final : public c10::DeviceAllocator {
       update(st.stats.allocation[0], 1);
       update(st.stats.active[0], 1);
       after = totals(st.stats);
-      // The adopted buffer is a segment of its own, as a fresh block is.
-      if (C10_UNLIKELY(hist_.enabled)) note_alloc_locked(st, d, ptr, size, size, true, ctx);
+      // The adopted buffer is a segment of its own, as a fresh block is. An empty one (a CPU
+      // kernel's empty output) is no memory: the viewer is not shown it, as CUDA's is not.
+      if (C10_UNLIKELY(hist_.enabled) && size) note_alloc_locked(st, d, ptr, size, size, true, ctx);
     }
     report_usage(ptr, int64_t(size), after, d);
     auto* a = new Adopted{std::move(cpu), size, d};
@@ -318,6 +319,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
                             kv.second.context});
       }
       for (auto& f : st.deferred) {
+        if (!f.size) continue;
         s.blocks.push_back({d, addr_of(f.adopted->storage.data()), int64_t(f.size),
                             int64_t(f.size), "active_pending_free", 0, nullptr});
       }
@@ -377,7 +379,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
         update(st.stats.active[0], -1);
       }
       after = totals(st.stats);
-      if (C10_UNLIKELY(self.hist_.enabled)) {
+      if (C10_UNLIKELY(self.hist_.enabled) && size) {
         // Deferred: completed when reclaim_locked releases it.
         self.note_free_locked(st, d, ptr, size, stack, /*completed=*/!seq);
         if (!seq) self.push_locked(st, {"segment_free", d, addr_of(ptr), size, 0, now_us(), 0, nullptr});
@@ -421,7 +423,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
       st.deferred.pop_front();
       update(st.stats.reserved_bytes[0], -int64_t(f.size));
       update(st.stats.segment[0], -1);
-      if (C10_UNLIKELY(hist_.enabled)) {
+      if (C10_UNLIKELY(hist_.enabled) && f.size) {
         const uint64_t a = addr_of(f.adopted->storage.data());
         push_locked(st, {"free_completed", d, a, int64_t(f.size), 0, now_us(), 0, nullptr});
         push_locked(st, {"segment_free", d, a, int64_t(f.size), 0, now_us(), 0, nullptr});

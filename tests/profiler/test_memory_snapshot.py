@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.cuda import _memory_viz
 
-import torch_neuronx  # noqa: F401
+import torch_neuronx
 from torch_neuronx.profiling import NeuronConfig, NeuronProfiler
 from torch_neuronx.profiling.explore import main as explore_main
 
@@ -225,6 +225,8 @@ def test_adopted_buffer_freed_behind_queued_work_completes_later(recording):
     cpu = torch.empty(1000, dtype=torch.uint8)
     t = torch_neuronx._C._adopt_tensor(cpu, 0)   # a CPU kernel's output becomes device memory
     p = cpu.data_ptr()
+    empty = torch_neuronx._C._adopt_tensor(torch.empty(0, dtype=torch.uint8), 0)
+    del empty     # no memory: not shown (an address-0 segment would confuse the viewer)
     b = a @ a     # a 2-GFLOP matmul: the device is still busy when t goes
     del t
     pending = [s["blocks"][0]["state"] for s in mem._snapshot()["segments"] if s["address"] == p]
@@ -234,6 +236,7 @@ def test_adopted_buffer_freed_behind_queued_work_completes_later(recording):
     assert [(a_, s_) for a_, p_, s_ in _trace(mem._snapshot()) if p_ == p] == [
         ("segment_alloc", 1000), ("alloc", 1000), ("free_requested", 1000),
         ("free_completed", 1000), ("segment_free", 1000)]
+    assert [e for e in _trace(mem._snapshot()) if e[2] == 0] == []
     del a, b
 
 
