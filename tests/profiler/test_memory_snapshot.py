@@ -265,7 +265,11 @@ def test_explore_writes_a_snapshot_of_the_profile(tmp_path, capsys):
     assert explore_main([str(trace_dir), "--json"]) == 0
     assert "memory_snapshot" in capsys.readouterr().out
     snap = pickle.loads((trace_dir / "memory_snapshot.pickle").read_bytes())
-    t = [(e["action"], e["size"]) for e in snap["device_traces"][0] if e["addr"] == p]
-    assert t == [("alloc", MIB2), ("free_requested", MIB2), ("free_completed", MIB2)]
+    t = [e for e in snap["device_traces"][0] if e["addr"] == p]
+    assert [(e["action"], e["size"]) for e in t] == [
+        ("alloc", MIB2), ("free_requested", MIB2), ("free_completed", MIB2)]
+    (frame,) = t[0]["frames"]   # the op that allocated, at the test's source (with_stack=True)
+    assert frame["name"].startswith("aten::") and os.path.basename(frame["filename"]) == \
+        os.path.basename(__file__)
     assert _memory_viz.trace_plot(snap).lstrip().startswith("<!DOCTYPE html>")
     _memory_viz.segsum(snap)

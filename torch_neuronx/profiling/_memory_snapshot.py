@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -63,9 +64,14 @@ def write(path: str, out_dir: str) -> str | None:
     return out
 
 
+# torch.profiler's names of Python-function events (with_stack=True): "file.py(12): f",
+# "<built-in method ...>". They are not ops: the frame names the op that allocated.
+_PY_EVENT = re.compile(r"\(\d+\): |^<built-in ")
+
+
 def _op_frames(ops, times: np.ndarray) -> list:
     """Per time: [frame of the innermost host op running then] ([] outside every op)."""
-    ops = ops[ops.duration_ns >= 0].sort_values("start_ns")
+    ops = ops[(ops.duration_ns >= 0) & ~ops.name.str.contains(_PY_EVENT)].sort_values("start_ns")
     start = ops.start_ns.to_numpy()
     end = start + ops.duration_ns.to_numpy()
     # Ops before index j end no later than reach[j]: the walk back stops there.
