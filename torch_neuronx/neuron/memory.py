@@ -5,6 +5,7 @@ The numbers come from the runtime's caching allocator (C++), read through
 """
 from __future__ import annotations
 
+import inspect
 import pickle
 import sys
 
@@ -172,6 +173,10 @@ def _record_memory_history_impl(enabled="all", context="all", stacks="all",
         trace and context == "all",                 # ... of free entries
         on and context is not None and stacks == "all",
         bool(clear_history), skip)
+
+
+# As torch.cuda's: help() and inspect show the arguments of the current form.
+_record_memory_history.__signature__ = inspect.signature(_record_memory_history_impl)
 
 
 def _record_memory_history_legacy(enabled: bool, record_context=True, trace_alloc_max_entries=1,
