@@ -144,6 +144,19 @@ def test_max_entries_keeps_the_newest(recording):
     assert _trace(mem._snapshot()) == happened[-5:]
 
 
+def test_stacks_all_adds_cpp_frames(recording):
+    mem._record_memory_history(stacks="all")   # CUDA's default
+    line = _line()
+    x = _bytes(KIB4)
+    (e,) = [e for e in mem._snapshot()["device_traces"][0] if e["action"] == "alloc"]
+    names = [f["name"] for f in e["frames"]]
+    # C++ frames first (innermost): the allocator's, then Python's down to this line.
+    assert any("NeuronAllocator::allocate" in n for n in names)
+    assert _where([f for f in e["frames"] if f["filename"].endswith(".py")]) == (
+        os.path.basename(__file__), line, "test_stacks_all_adds_cpp_frames")
+    del x
+
+
 def test_state_only_and_disabling(recording):
     mem._record_memory_history("state", stacks="python")
     line = _line()
