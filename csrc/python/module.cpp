@@ -181,6 +181,8 @@ bool g_meta_registered = [] {
 
 }  // namespace
 
+void init_memory_history(pybind11::module& m);  // memory_history.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   neuron::check::set_where(&python_where);
   neuron::queue::set_site_hooks(&capture_site, &describe_site);
@@ -209,6 +211,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_set_memory_limit", [](int d, int64_t bytes) {
     neuron::set_memory_limit(static_cast<c10::DeviceIndex>(d), bytes);
   });
+  init_memory_history(m);
   m.def("_default_generator", [](int d) {
     return pybind11::reinterpret_steal<pybind11::object>(
         THPGenerator_initDefaultGenerator(neuron::default_generator(static_cast<c10::DeviceIndex>(d))));

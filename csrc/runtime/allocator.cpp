@@ -1,12 +1,16 @@
 // The runtime's device memory: a caching allocator over host memory, per device, with the
 // modelled HBM capacity enforced and CUDA-compatible statistics.
 #include "runtime.h"
+#include "history.h"
 
 #include <ATen/core/CachingHostAllocator.h>
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <array>
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <fstream>
 #include <deque>
@@ -88,13 +92,33 @@ struct Deferred {
   Adopted* adopted;
 };
 
+// A block handed out while the memory history records: what a snapshot shows of it.
+struct Live {
+  size_t size;
+  size_t requested;
+  int64_t stream;
+  history::Context context;
+};
+
 struct DeviceState {
   std::unordered_map<size_t, std::vector<void*>> free_blocks;
   std::deque<Deferred> deferred;
   size_t cached_bytes = 0;
   DeviceStats stats;
   int64_t limit = 0;
+  // Memory history, touched only while it records: blocks handed out since it started (the
+  // allocator keeps no table of live blocks otherwise) and the ring of actions.
+  std::unordered_map<void*, Live> live;
+  std::vector<history::Entry> ring;
+  size_t ring_next = 0;  // oldest entry once the ring is full
 };
+
+uint64_t addr_of(const void* p) { return reinterpret_cast<uint64_t>(p); }
+
+int64_t now_us() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(
+      std::chrono::system_clock::now().time_since_epoch()).count();
+}
 
 class NeuronAllocator final : public c10::DeviceAllocator {
  public:
@@ -107,6 +131,11 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     check_device(d);
     size_t size = round_size(n);
     if (size == 0) return c10::DataPtr(nullptr, nullptr, &free_block, c10::Device(kDevice, d));
+    // The stack is taken before the lock: gathering it may wait for the GIL, whose holder
+    // may be waiting for this lock.
+    history::Context ctx;
+    const uint8_t mode = mode_.load(std::memory_order_relaxed);
+    if (C10_UNLIKELY(mode & kGatherAlloc)) ctx = gather(mode);
     void* ptr = nullptr;
     std::pair<int64_t, int64_t> after;
     {
@@ -114,12 +143,14 @@ class NeuronAllocator final : public c10::DeviceAllocator {
       auto& st = state_[d];
       reclaim_locked(st, d);
       auto it = st.free_blocks.find(size);
+      bool fresh = false;
       if (it != st.free_blocks.end() && !it->second.empty()) {
         ptr = it->second.back();
         it->second.pop_back();
         st.cached_bytes -= size;
       } else {
-        ptr = fresh_block_locked(st, size, n, d);
+        ptr = fresh_block_locked(st, size, n, d, ctx);
+        fresh = true;
       }
       update(st.stats.allocated_bytes[0], size);
       update(st.stats.active_bytes[0], size);
@@ -127,6 +158,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
       update(st.stats.allocation[0], 1);
       update(st.stats.active[0], 1);
       after = totals(st.stats);
+      if (C10_UNLIKELY(hist_.enabled)) note_alloc_locked(st, d, ptr, size, n, fresh, ctx);
     }
     report_usage(ptr, int64_t(size), after, d);
     auto* b = new Block{ptr, size, n, d};
@@ -197,6 +229,9 @@ class NeuronAllocator final : public c10::DeviceAllocator {
   c10::DataPtr adopt(c10::Storage cpu, c10::DeviceIndex d) {
     size_t size = cpu.nbytes();
     void* ptr = cpu.mutable_data();
+    history::Context ctx;
+    const uint8_t mode = mode_.load(std::memory_order_relaxed);
+    if (C10_UNLIKELY(mode & kGatherAlloc)) ctx = gather(mode);
     std::pair<int64_t, int64_t> after;
     {
       std::lock_guard<std::mutex> g(mu_);
@@ -204,7 +239,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
       if (st.stats.reserved_bytes[0].current + int64_t(size) > st.limit) release_cache_locked(st, d);
       if (st.stats.reserved_bytes[0].current + int64_t(size) > st.limit) {
         st.stats.num_ooms++;
-        raise_oom_locked(st, size, d, "");
+        raise_oom_locked(st, size, d, "", ctx);
       }
       update(st.stats.reserved_bytes[0], size);
       update(st.stats.segment[0], 1);
@@ -214,6 +249,9 @@ class NeuronAllocator final : public c10::DeviceAllocator {
       update(st.stats.allocation[0], 1);
       update(st.stats.active[0], 1);
       after = totals(st.stats);
+      // The adopted buffer is a segment of its own, as a fresh block is. An empty one (a CPU
+      // kernel's empty output) is no memory: the viewer is not shown it, as CUDA's is not.
+      if (C10_UNLIKELY(hist_.enabled) && size) note_alloc_locked(st, d, ptr, size, size, true, ctx);
     }
     report_usage(ptr, int64_t(size), after, d);
     auto* a = new Adopted{std::move(cpu), size, d};
@@ -232,6 +270,72 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     state_[d].limit = bytes;
   }
 
+  void set_gather(history::Context (*fn)(bool)) { gather_.store(fn); }
+
+  void record_history(const history::Options& o) {
+    std::lock_guard<std::mutex> g(mu_);
+    for (auto& st : state_) {
+      if (!o.enabled) {
+        // Off forgets everything: frees are no longer seen, so the live table would go stale.
+        st.live.clear();
+        st.ring.clear();
+        st.ring_next = 0;
+        continue;
+      }
+      if (o.clear || !o.trace || o.max_entries == 0) {
+        st.ring.clear();
+        st.ring_next = 0;
+      } else {
+        // A new max_entries keeps the newest entries, oldest first.
+        auto v = ordered(st);
+        if (v.size() > o.max_entries) v.erase(v.begin(), v.end() - o.max_entries);
+        st.ring = std::move(v);
+        st.ring_next = 0;
+      }
+    }
+    hist_ = o;
+    uint8_t mode = 0;
+    if (o.enabled) {
+      mode = kOn | (o.stack_blocks || o.stack_allocs ? kGatherAlloc : 0) |
+             (o.stack_frees ? kGatherFree : 0) | (o.cpp ? kCpp : 0);
+    }
+    mode_.store(mode);
+  }
+
+  history::Snapshot snapshot() {
+    // Tensors the program dropped may still be held by the fusion window: let them go first,
+    // so the snapshot shows what the program holds (as getDeviceStats does).
+    queue::close_all_windows();
+    history::Snapshot s;
+    std::lock_guard<std::mutex> g(mu_);
+    const int n = device_count();
+    s.traces.resize(n);
+    for (int i = 0; i < n; ++i) {
+      const auto d = static_cast<c10::DeviceIndex>(i);
+      auto& st = state_[i];
+      for (auto& kv : st.live) {
+        s.blocks.push_back({d, addr_of(kv.first), int64_t(kv.second.size),
+                            int64_t(kv.second.requested), "active_allocated", kv.second.stream,
+                            kv.second.context});
+      }
+      for (auto& f : st.deferred) {
+        if (!f.size) continue;
+        s.blocks.push_back({d, addr_of(f.adopted->storage.data()), int64_t(f.size),
+                            int64_t(f.size), "active_pending_free", 0, nullptr});
+      }
+      for (auto& kv : st.free_blocks) {
+        for (void* p : kv.second) {
+          s.blocks.push_back({d, addr_of(p), int64_t(kv.first), 0, "inactive", 0, nullptr});
+        }
+      }
+      s.traces[i] = ordered(st);
+    }
+    std::sort(s.blocks.begin(), s.blocks.end(), [](const history::Block& a, const history::Block& b) {
+      return std::make_pair(a.device, a.addr) < std::make_pair(b.device, b.addr);
+    });
+    return s;
+  }
+
  private:
   static void free_block(void* ctx) {
     if (!ctx) return;
@@ -244,6 +348,10 @@ class NeuronAllocator final : public c10::DeviceAllocator {
   static void free_adopted(void* ctx) {
     auto* a = static_cast<Adopted*>(ctx);
     if (check::enabled()) check::on_free(a->storage.data());
+    auto& self = instance();
+    history::Context stack;
+    const uint8_t mode = self.mode_.load(std::memory_order_relaxed);
+    if (C10_UNLIKELY(mode & kGatherFree)) stack = self.gather(mode);
     uint64_t seq = queue::busy_until(a->device);
     // `a` may be reclaimed by another thread once deferred and unlocked: keep what the report needs.
     void* ptr = a->storage.mutable_data();
@@ -251,7 +359,6 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     const c10::DeviceIndex d = a->device;
     std::pair<int64_t, int64_t> after;
     {
-      auto& self = instance();
       std::lock_guard<std::mutex> g(self.mu_);
       auto& st = self.state_[a->device];
       if (seq) {
@@ -272,6 +379,11 @@ class NeuronAllocator final : public c10::DeviceAllocator {
         update(st.stats.active[0], -1);
       }
       after = totals(st.stats);
+      if (C10_UNLIKELY(self.hist_.enabled) && size) {
+        // Deferred: completed when reclaim_locked releases it.
+        self.note_free_locked(st, d, ptr, size, stack, /*completed=*/!seq);
+        if (!seq) self.push_locked(st, {"segment_free", d, addr_of(ptr), size, 0, now_us(), 0, nullptr});
+      }
     }
     report_usage(ptr, -size, after, d);
     if (!seq) delete a;
@@ -282,6 +394,9 @@ class NeuronAllocator final : public c10::DeviceAllocator {
   // either from work launched later (run after that work by the in-order queue) or from the
   // host after waiting for the queue (synchronous ops, copies to the host, direct access).
   void release(Block* b) {
+    history::Context stack;
+    const uint8_t mode = mode_.load(std::memory_order_relaxed);
+    if (C10_UNLIKELY(mode & kGatherFree)) stack = gather(mode);
     std::pair<int64_t, int64_t> after;
     {
       std::lock_guard<std::mutex> g(mu_);
@@ -294,6 +409,9 @@ class NeuronAllocator final : public c10::DeviceAllocator {
       update(st.stats.allocation[0], -1);
       update(st.stats.active[0], -1);
       after = totals(st.stats);
+      if (C10_UNLIKELY(hist_.enabled)) {
+        note_free_locked(st, b->device, b->ptr, int64_t(b->requested), stack, /*completed=*/true);
+      }
     }
     report_usage(b->ptr, -int64_t(b->size), after, b->device);
   }
@@ -305,11 +423,17 @@ class NeuronAllocator final : public c10::DeviceAllocator {
       st.deferred.pop_front();
       update(st.stats.reserved_bytes[0], -int64_t(f.size));
       update(st.stats.segment[0], -1);
+      if (C10_UNLIKELY(hist_.enabled) && f.size) {
+        const uint64_t a = addr_of(f.adopted->storage.data());
+        push_locked(st, {"free_completed", d, a, int64_t(f.size), 0, now_us(), 0, nullptr});
+        push_locked(st, {"segment_free", d, a, int64_t(f.size), 0, now_us(), 0, nullptr});
+      }
       delete f.adopted;
     }
   }
 
-  void* fresh_block_locked(DeviceState& st, size_t size, size_t requested, c10::DeviceIndex d) {
+  void* fresh_block_locked(DeviceState& st, size_t size, size_t requested, c10::DeviceIndex d,
+                           const history::Context& ctx) {
     if (st.stats.reserved_bytes[0].current + int64_t(size) > st.limit) {
       st.stats.num_alloc_retries++;
       if (!st.deferred.empty()) {
@@ -321,13 +445,13 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     }
     if (st.stats.reserved_bytes[0].current + int64_t(size) > st.limit) {
       st.stats.num_ooms++;
-      raise_oom_locked(st, requested, d, "");
+      raise_oom_locked(st, requested, d, "", ctx);
     }
     if (size >= kHostCheckBytes && size > host_available_bytes()) {
       release_cache_locked(st, d);
       if (size > host_available_bytes()) {
         st.stats.num_ooms++;
-        raise_oom_locked(st, requested, d, " The host running the virtual device has less memory available than requested.");
+        raise_oom_locked(st, requested, d, " The host running the virtual device has less memory available than requested.", ctx);
       }
     }
     void* ptr = std::aligned_alloc(kAlign, (size + kAlign - 1) / kAlign * kAlign);
@@ -336,7 +460,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
       ptr = std::aligned_alloc(kAlign, (size + kAlign - 1) / kAlign * kAlign);
       if (!ptr) {
         st.stats.num_ooms++;
-        raise_oom_locked(st, requested, d, " Host allocation failed.");
+        raise_oom_locked(st, requested, d, " Host allocation failed.", ctx);
       }
     }
     st.stats.num_device_alloc++;
@@ -351,6 +475,9 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     if (!st.free_blocks.empty()) queue::wait_idle(d);
     for (auto& kv : st.free_blocks) {
       for (void* p : kv.second) {
+        if (C10_UNLIKELY(hist_.enabled)) {
+          push_locked(st, {"segment_free", d, addr_of(p), int64_t(kv.first), 0, now_us(), 0, nullptr});
+        }
         std::free(p);
         st.stats.num_device_free++;
         update(st.stats.reserved_bytes[0], -int64_t(kv.first));
@@ -385,8 +512,12 @@ class NeuronAllocator final : public c10::DeviceAllocator {
   }
 
   [[noreturn]] void raise_oom_locked(DeviceState& st, size_t requested, c10::DeviceIndex d,
-                                     const char* extra) {
+                                     const char* extra, const history::Context& ctx) {
     int64_t free_bytes = std::max<int64_t>(0, st.limit - st.stats.reserved_bytes[0].current);
+    if (C10_UNLIKELY(hist_.enabled)) {
+      push_locked(st, {"oom", d, 0, int64_t(requested), current_stream_id(d), now_us(), free_bytes,
+                       hist_.stack_allocs ? ctx : nullptr});
+    }
     TORCH_CHECK_WITH(OutOfMemoryError, false,
         "Neuron out of memory. Tried to allocate ", fmt_bytes(requested), " on neuron:", int(d),
         ". The virtual NeuronCore has a modelled HBM capacity of ", fmt_bytes(st.limit), " of which ",
@@ -399,8 +530,62 @@ class NeuronAllocator final : public c10::DeviceAllocator {
   static NeuronAllocator& instance();
 
  private:
+  // Memory history: what the hot paths must do, read without the lock; 0 while off.
+  static constexpr uint8_t kOn = 1, kGatherAlloc = 2, kGatherFree = 4, kCpp = 8;
+
+  history::Context gather(uint8_t mode) {
+    auto* fn = gather_.load();
+    return fn ? fn((mode & kCpp) != 0) : nullptr;
+  }
+
+  void push_locked(DeviceState& st, history::Entry e) {
+    if (!hist_.trace || hist_.max_entries == 0) return;
+    for (const auto& skip : hist_.skip) {
+      if (skip == e.action) return;
+    }
+    if (st.ring.size() < hist_.max_entries) {
+      st.ring.push_back(std::move(e));
+    } else {
+      st.ring[st.ring_next] = std::move(e);
+      st.ring_next = (st.ring_next + 1) % hist_.max_entries;
+    }
+  }
+
+  static std::vector<history::Entry> ordered(const DeviceState& st) {
+    std::vector<history::Entry> v(st.ring.begin() + st.ring_next, st.ring.end());
+    v.insert(v.end(), st.ring.begin(), st.ring.begin() + st.ring_next);
+    return v;
+  }
+
+  // Sizes in alloc and free entries are the requested bytes (CUDA's, which the viewer plots);
+  // segment entries carry the rounded block.
+  void note_alloc_locked(DeviceState& st, c10::DeviceIndex d, void* ptr, size_t size,
+                         size_t requested, bool fresh, const history::Context& ctx) {
+    const int64_t stream = current_stream_id(d);
+    const history::Context entry_ctx = hist_.stack_allocs ? ctx : history::Context();
+    const int64_t t = now_us();
+    if (fresh) push_locked(st, {"segment_alloc", d, addr_of(ptr), int64_t(size), stream, t, 0, entry_ctx});
+    push_locked(st, {"alloc", d, addr_of(ptr), int64_t(requested), stream, t, 0, entry_ctx});
+    st.live[ptr] = Live{size, requested, stream, hist_.stack_blocks ? ctx : nullptr};
+  }
+
+  void note_free_locked(DeviceState& st, c10::DeviceIndex d, void* ptr, int64_t requested,
+                        const history::Context& ctx, bool completed) {
+    auto it = st.live.find(ptr);
+    // A block handed out before recording started is not in the table: its free still counts.
+    const int64_t stream = it != st.live.end() ? it->second.stream : current_stream_id(d);
+    if (it != st.live.end()) st.live.erase(it);
+    const history::Context entry_ctx = hist_.stack_frees ? ctx : history::Context();
+    const int64_t t = now_us();
+    push_locked(st, {"free_requested", d, addr_of(ptr), requested, stream, t, 0, entry_ctx});
+    if (completed) push_locked(st, {"free_completed", d, addr_of(ptr), requested, stream, t, 0, entry_ctx});
+  }
+
   std::mutex mu_;
   std::array<DeviceState, kMaxDevices> state_;
+  std::atomic<uint8_t> mode_{0};
+  history::Options hist_;  // under mu_
+  std::atomic<history::Context (*)(bool)> gather_{nullptr};
 };
 
 NeuronAllocator g_allocator;
@@ -464,6 +649,12 @@ c10::DataPtr adopt(c10::Storage cpu_storage, c10::DeviceIndex d) {
 c10::Storage adopted_storage(const c10::DataPtr& p) { return NeuronAllocator::adopted(p); }
 c10::Allocator* pinned_allocator() { return &g_pinned; }
 bool is_pinned(const void* p) { return g_pinned.contains(p); }
+
+namespace history {
+void set_gather(Context (*gather)(bool cpp)) { g_allocator.set_gather(gather); }
+void record(const Options& o) { g_allocator.record_history(o); }
+Snapshot snapshot() { return g_allocator.snapshot(); }
+}  // namespace history
 
 REGISTER_ALLOCATOR(c10::DeviceType::PrivateUse1, &g_allocator);
 REGISTER_HOST_ALLOCATOR(c10::DeviceType::PrivateUse1, &g_pinned);

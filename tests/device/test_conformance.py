@@ -32,7 +32,7 @@ _CUDA_ONLY = {
        for n in ("CUDAPluggableAllocator", "MemPool", "caching_allocator_alloc",
                  "caching_allocator_delete", "caching_allocator_disabled",
                  "caching_allocator_enable", "change_current_allocator", "get_allocator_backend",
-                 "use_mem_pool", "memory_snapshot")},
+                 "use_mem_pool")},
     **{n: "pinned host-allocator statistics of CUDA's host caching allocator"
        for n in ("host_memory_stats", "host_memory_stats_as_nested_dict",
                  "reset_accumulated_host_memory_stats", "reset_peak_host_memory_stats")},

@@ -9,8 +9,8 @@ from .. import _state
 from ._device import (current_device, device, device_count, device_of, is_available,
                       is_initialized, set_device, synchronize, _index)
 from .memory import (empty_cache, max_memory_allocated, max_memory_reserved, mem_get_info,
-                     memory_allocated, memory_reserved, memory_stats, memory_summary,
-                     reset_accumulated_memory_stats, reset_peak_memory_stats,
+                     memory_allocated, memory_reserved, memory_snapshot, memory_stats,
+                     memory_summary, reset_accumulated_memory_stats, reset_peak_memory_stats,
                      set_per_process_memory_fraction)
 from .random import (default_generator, get_rng_state, get_rng_state_all, initial_seed,
                      manual_seed, manual_seed_all, seed, seed_all, set_rng_state,

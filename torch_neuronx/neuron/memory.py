@@ -5,6 +5,10 @@ The numbers come from the runtime's caching allocator (C++), read through
 """
 from __future__ import annotations
 
+import inspect
+import pickle
+import sys
+
 import torch
 
 from .. import _C
@@ -109,3 +113,113 @@ def memory_summary(device=None, abbreviated: bool = False) -> str:
             out.append(f" {key:<24}{s.get(key, 0):>13}")
     out.append(line)
     return "\n".join(out)
+
+
+# Memory history and snapshots, with torch.cuda.memory's private names, signatures and dict
+# format (torch.cuda._memory_viz and pytorch.org/memory_viz read it). The allocator (C++)
+# keeps the history; torch 2.13's torch.accelerator.memory._snapshot asks torch.cuda or
+# torch.xpu only, and c10's DeviceAllocator has no snapshot hook, so these are the way in.
+_ENABLED = ("state", "all")
+_CONTEXTS = ("state", "alloc", "all")
+_STACKS = ("python", "all")
+_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
+            "oom", "snapshot")
+
+
+def _record_memory_history(enabled="all", *args, **kwargs) -> None:
+    """Start (``"all"``: live blocks' stacks and a history of allocator actions; ``"state"``:
+    live blocks' stacks only) or stop (``None``) recording, as
+    ``torch.cuda.memory._record_memory_history``. A bool ``enabled`` takes CUDA's legacy
+    arguments. Recording covers every neuron device; stopping forgets what was recorded."""
+    if isinstance(enabled, bool):
+        return _record_memory_history_legacy(enabled, *args, **kwargs)
+    return _record_memory_history_impl(enabled, *args, **kwargs)
+
+
+def _record_memory_history_impl(enabled="all", context="all", stacks="all",
+                                max_entries: int = sys.maxsize, device=None,
+                                clear_history: bool = False, compile_context: bool = False,
+                                global_record_annotations: bool = False,
+                                skip_actions=None) -> None:
+    if enabled is not None and enabled not in _ENABLED:
+        raise ValueError(f"_record_memory_history: enabled must be 'state', 'all' or None, "
+                         f"got {enabled!r}")
+    if context is not None and context not in _CONTEXTS:
+        raise ValueError(f"_record_memory_history: context must be 'state', 'alloc', 'all' or "
+                         f"None, got {context!r}")
+    if stacks not in _STACKS:
+        raise ValueError(f"_record_memory_history: stacks must be 'python' or 'all', got {stacks!r}")
+    if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 0:
+        raise ValueError(f"_record_memory_history: max_entries must be an int >= 0, "
+                         f"got {max_entries!r}")
+    if device is not None:
+        _index(device)  # a bad device raises; as on CUDA, every device records
+    for name, value in (("compile_context", compile_context),
+                        ("global_record_annotations", global_record_annotations)):
+        if value:
+            raise NotImplementedError(f"_record_memory_history: {name}=True is not supported on "
+                                      f"neuron (the allocator records Python and C++ frames only)")
+    skip = list(skip_actions or [])
+    bad = [a for a in skip if a not in _ACTIONS]
+    if bad:
+        raise ValueError(f"_record_memory_history: skip_actions {bad} are not actions; "
+                         f"valid: {list(_ACTIONS)}")
+    on = enabled is not None
+    trace = enabled == "all"
+    _C._memory_record_history(
+        on, trace, max_entries if trace else 0,
+        on and context is not None,                 # stacks of live blocks
+        on and context in ("alloc", "all"),         # ... of alloc entries
+        trace and context == "all",                 # ... of free entries
+        on and context is not None and stacks == "all",
+        bool(clear_history), skip)
+
+
+# As torch.cuda's: help() and inspect show the arguments of the current form.
+_record_memory_history.__signature__ = inspect.signature(_record_memory_history_impl)
+
+
+def _record_memory_history_legacy(enabled: bool, record_context=True, trace_alloc_max_entries=1,
+                                  trace_alloc_record_context=False, device=None,
+                                  record_context_cpp=False, clear_history=False,
+                                  compile_context=False, global_record_annotations=False,
+                                  skip_actions=None) -> None:
+    # CUDA's legacy form: a ring of trace_alloc_max_entries; stacks on blocks
+    # (record_context) and on trace entries (trace_alloc_record_context).
+    context = "alloc" if trace_alloc_record_context else ("state" if record_context else None)
+    _record_memory_history_impl("all" if enabled else None, context,
+                                "all" if record_context_cpp else "python",
+                                trace_alloc_max_entries, device, clear_history, compile_context,
+                                global_record_annotations, skip_actions)
+
+
+def _snapshot(device=None, augment_with_fx_traces: bool = False) -> dict:
+    """The allocator's state now, as ``torch.cuda.memory._snapshot``: ``segments`` (each block
+    is a segment of its own: the allocator never splits) and ``device_traces`` (per device,
+    the recorded actions, oldest first). Blocks handed out before recording started are not
+    listed (the allocator keeps no table of live blocks while history is off)."""
+    if device is not None:
+        _index(device)  # as on CUDA, the snapshot covers every device
+    s = _C._memory_snapshot()
+    if augment_with_fx_traces:
+        from torch._utils import _augment_memory_snapshot_stack_traces
+        s = _augment_memory_snapshot_stack_traces(s)
+    return s
+
+
+def memory_snapshot(mempool_id=None, include_traces: bool = True) -> list:
+    """The allocator's segments on every device, as ``torch.cuda.memory_snapshot``: the
+    ``segments`` of ``_snapshot()``. The allocator has one pool, ``(0, 0)``; ``include_traces``
+    (CUDA's switch for a lighter snapshot) does not change the segments."""
+    if mempool_id is not None and tuple(mempool_id) != (0, 0):
+        raise ValueError(f"memory_snapshot: mempool_id {mempool_id!r} is not a pool of the neuron "
+                         f"allocator (it has one, (0, 0))")
+    return _C._memory_snapshot()["segments"]
+
+
+def _dump_snapshot(filename="dump_snapshot.pickle", augment_with_fx_traces: bool = False) -> None:
+    """Pickle ``_snapshot()`` to ``filename`` for ``python -m torch.cuda._memory_viz`` or
+    pytorch.org/memory_viz."""
+    s = _snapshot(augment_with_fx_traces=augment_with_fx_traces)
+    with open(filename, "wb") as f:
+        pickle.dump(s, f)

@@ -101,6 +101,11 @@ def _surviving_op(corr: int, ops) -> int:
     return corr
 
 
+def _is_framework(e) -> bool:
+    """A torch.profiler op (not a device kernel, not a launch)."""
+    return e.device_type != DeviceType.PrivateUse1 and e.name != RUNTIME_EVENT
+
+
 def events_table(host_events=(), device_events=(), kernel_meta=None, cores=None,
                  max_per_device=None) -> pa.Table:
     """``host_events``: torch.profiler FunctionEvents, the Kineto plugin's kernels among them,
@@ -121,10 +126,10 @@ def events_table(host_events=(), device_events=(), kernel_meta=None, cores=None,
                 continue
             per_device[e.device_index] = seen + 1
             rows["hardware"].append(e)
-        elif e.name == RUNTIME_EVENT:
-            rows["runtime"].append(e)
-        else:
+        elif _is_framework(e):
             rows["framework"].append(e)
+        else:
+            rows["runtime"].append(e)
     where = {}
     names, src, starts, durs, corr, files, lines = [], [], [], [], [], [], []
     for e in rows["framework"]:
@@ -218,12 +223,11 @@ def events_table(host_events=(), device_events=(), kernel_meta=None, cores=None,
     return _table("SystemProfileEvents", cols)
 
 
-def memory_table(trace: dict) -> pa.Table:
+def memory_table(trace: dict, host_events=()) -> pa.Table:
     """The neuron allocator's ``[memory]`` events of a chrome trace (torch.profiler with
-    ``profile_memory=True``), timed from the first host event as ``_add_lanes`` does."""
+    ``profile_memory=True``), on the ``start_ns`` clock of ``host_events``."""
     events = trace.get("traceEvents", [])
-    host_ts = [e["ts"] for e in events if e.get("ph") == "X" and e.get("cat") != "kernel"]
-    origin = min(host_ts) if host_ts else 0.0
+    origin = _trace_origin(events, host_events)
     mem = [e for e in events if e.get("name") == "[memory]"
            and e.get("args", {}).get("Device Type") == int(DeviceType.PrivateUse1)]
     mem.sort(key=lambda e: e["ts"])
@@ -235,6 +239,22 @@ def memory_table(trace: dict) -> pa.Table:
         "bytes": np.asarray([x["Bytes"] for x in a], dtype=np.int64),
         "total_allocated": np.asarray([x["Total Allocated"] for x in a], dtype=np.int64),
         "total_reserved": np.asarray([x["Total Reserved"] for x in a], dtype=np.int64)})
+
+
+def _trace_origin(events, host_events) -> float:
+    """The chrome trace's ts (us) of start_ns 0 (the first framework event's start). The two
+    clocks differ by more than their first events (the chrome trace may start with events
+    torch.profiler leaves out of its FunctionEvents): an op's ts minus its FunctionEvent start,
+    matched by id (the chrome event's "External id") and name. Without ops, the first host
+    event of the chrome trace."""
+    framework = [e for e in host_events if _is_framework(e)]
+    starts = {(e.id, e.name): e.time_range.start for e in framework}
+    for e in events:
+        key = (e.get("args", {}).get("External id"), e.get("name"))
+        if e.get("ph") == "X" and e.get("cat") == "cpu_op" and key in starts:
+            return e["ts"] - starts[key] + min(starts.values())
+    host_ts = [e["ts"] for e in events if e.get("ph") == "X" and e.get("cat") != "kernel"]
+    return min(host_ts) if host_ts else 0.0
 
 
 def export_parquet(path: str, host_events=(), device_events=(), kernel_meta=None, cores=None,
@@ -254,7 +274,7 @@ def export_parquet(path: str, host_events=(), device_events=(), kernel_meta=None
             "hardware_source": "kineto" if traced else "cost_model"}
     tables = {
         "SystemProfileEvents": events,
-        "DeviceMemory": memory_table(trace or {}),
+        "DeviceMemory": memory_table(trace or {}, host_events),
         "Metadata": _table("Metadata", {"key": list(meta), "value": list(meta.values())}),
         "SchemaFields": _table("SchemaFields", {
             "table": [t for t, f in SCHEMA.items() for _ in f],

@@ -9,6 +9,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from .. import _state
+from . import _memory_snapshot
 from ._comm import communication
 from ._fusion import fusion_opportunities
 
@@ -190,6 +191,9 @@ def format_text(r: dict) -> str:
     for d, m in r["device_memory"].items():
         out.append(f"neuron:{d} memory: peak {m['peak_allocated'] / 2**20:.2f} MiB allocated, "
                    f"{m['peak_reserved'] / 2**20:.2f} MiB reserved ({m['events']} allocator events)")
+    if r.get("memory_snapshot"):
+        out.append(f"memory snapshot: {r['memory_snapshot']} (pytorch.org/memory_viz, or "
+                   f"python -m torch.cuda._memory_viz trace_plot FILE -o memory.html)")
     return "\n".join(out)
 
 
@@ -285,5 +289,8 @@ def run(args) -> int:
     r = report(args.dir, top=args.top)
     if args.plots:
         r["plots"] = plots(args.dir, r, args.plots)
+    if r["device_memory"]:
+        # For PyTorch's memory viewer; beside the plots, else beside the tables.
+        r["memory_snapshot"] = _memory_snapshot.write(args.dir, args.plots or args.dir)
     print(json.dumps(r, indent=1) if args.json else format_text(r))
     return 0
