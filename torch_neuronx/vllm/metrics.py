@@ -5,7 +5,12 @@ model's ops, attention as NKI-lib's ``attention_cte``/``attention_tkg`` kernels,
 sampler). A request's modelled TTFT is the modelled time of the steps from its first
 scheduling to the step that samples its first token (queueing excluded); a decode step's
 modelled time is the inter-token latency of every request it advances. Tokens per second
-per chip assume every logical core of the chip serves its own replica.
+per chip assume the chip's logical cores serve as many replicas as fit: one per core, or one
+per ``tensor_parallel_size`` cores under tensor parallelism.
+
+Under tensor parallelism every worker keeps its own summary (its device's ops and its share
+of the collectives, which keep the workers in step); only the first worker of the group
+logs and feeds ``/metrics``, so one replica's series are counted once.
 
 The numbers go to the log (logger ``torch_neuronx.vllm``) every ``LOG_EVERY`` seconds of
 wall time, to ``summary()``, and, when ``PROMETHEUS_MULTIPROC_DIR`` is set, to vLLM's
@@ -35,17 +40,30 @@ class Summary:
     ttft: list = field(default_factory=list)           # modelled seconds per request
     itl: list = field(default_factory=list)            # modelled seconds per decode step
     cores_per_chip: int = 1
+    device: str = ""
+    tensor_parallel_size: int = 1
+    collective_seconds: float = 0.0                    # modelled, part of ``seconds``
+    collectives: dict = field(default_factory=dict)    # "c10d::<op>" -> modelled seconds
+
+    @property
+    def replicas_per_chip(self) -> float:
+        tp, cores = self.tensor_parallel_size, self.cores_per_chip
+        # a group wider than a chip is a fraction of a replica per chip
+        return cores // tp if tp <= cores else cores / tp
 
     @property
     def tokens_per_s_per_chip(self) -> float:
-        return self.tokens / self.seconds * self.cores_per_chip if self.seconds else 0.0
+        return self.tokens / self.seconds * self.replicas_per_chip if self.seconds else 0.0
 
     def as_dict(self) -> dict:
         med = lambda xs: statistics.median(xs) if xs else 0.0  # noqa: E731
         return {"platform": self.platform, "steps": self.steps, "tokens": self.tokens,
                 "modelled_seconds": self.seconds, "ttft_median_s": med(self.ttft),
                 "itl_median_s": med(self.itl), "requests": len(self.ttft),
-                "tokens_per_s_per_chip": self.tokens_per_s_per_chip}
+                "tokens_per_s_per_chip": self.tokens_per_s_per_chip, "device": self.device,
+                "tensor_parallel_size": self.tensor_parallel_size,
+                "collective_seconds": self.collective_seconds,
+                "collectives": dict(self.collectives)}
 
     def __str__(self):
         d = self.as_dict()
@@ -58,19 +76,26 @@ class Summary:
 class StepClock:
     """Reads the modelled time of every engine step of one device."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, tensor_parallel_size: int = 1,
+                 publish: bool = True):
+        """``publish``: log and feed ``/metrics`` (the first worker of a tensor-parallel
+        group; the others would count the same tokens again)."""
         self.device = device
+        self.tensor_parallel_size = tensor_parallel_size
+        self.publish = publish
         self.reset()
         self._prefill: dict = {}      # req id -> [modelled seconds so far, prompt tokens left]
         self._step = None
         self._last_log = time.monotonic()
-        self._prom = _prometheus()
+        self._prom = _prometheus() if publish else None
 
     def reset(self) -> None:
         """Start a new summary (the requests in flight keep their prefill time so far)."""
         cfg = torch_neuronx._state.config()
         self.summary = Summary(platform=cfg.profile.name,
-                               cores_per_chip=cfg.profile.logical_cores(cfg.lnc))
+                               cores_per_chip=cfg.profile.logical_cores(cfg.lnc),
+                               device=str(self.device),
+                               tensor_parallel_size=self.tensor_parallel_size)
 
     def begin(self) -> None:
         """A step starts: what ran before it (profiling, warm-up) is not serving time."""
@@ -101,10 +126,15 @@ class StepClock:
         first_tokens, decodes, prefilling = self._step
         self._step = None
         torch.neuron.synchronize(self.device)
-        seconds = torch_neuronx.modelled_time(self.device, reset=True).seconds
+        t = torch_neuronx.modelled_time(self.device, reset=True)
+        seconds = t.seconds
         s = self.summary
         s.steps += 1
         s.seconds += seconds
+        s.collective_seconds += t.by_engine.get("collective", 0.0)
+        for op, sec in t.by_op.items():
+            if op.startswith("c10d::"):
+                s.collectives[op] = s.collectives.get(op, 0.0) + sec
         s.tokens += len(first_tokens) + decodes
         for rid in prefilling:
             self._prefill[rid][0] += seconds
@@ -115,7 +145,7 @@ class StepClock:
         if self._prom is not None:
             self._prom(s, seconds, first_tokens, decodes)
         now = time.monotonic()
-        if now - self._last_log >= LOG_EVERY:
+        if self.publish and now - self._last_log >= LOG_EVERY:
             self._last_log = now
             log.info("%s", s)
 

@@ -6,6 +6,7 @@ import contextlib
 import functools
 
 import torch
+from vllm.distributed import get_tp_group
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from . import metrics
@@ -16,7 +17,8 @@ class NeuronModelRunner(GPUModelRunner):
         with _cuda_names_as_neuron():
             super().__init__(vllm_config, device)
         self.use_cuda_graph = False
-        self.modelled = metrics.StepClock(device)
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        self.modelled = metrics.StepClock(device, tp, publish=get_tp_group().rank_in_group == 0)
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         self.modelled.begin()

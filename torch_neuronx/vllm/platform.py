@@ -27,8 +27,9 @@ class NeuronPlatform(Platform):
     device_type: str = "neuron"
     # vLLM registers its torch.ops.vllm.* ops under this key; ours is PrivateUse1.
     dispatch_key: str = "PrivateUse1"
-    # Collectives between workers on CPU tensors; single-worker serving needs none.
-    dist_backend: str = "gloo"
+    # Tensor-parallel workers reduce and gather neuron tensors through our c10d backend
+    # (vLLM makes its own gloo group for CPU-side coordination).
+    dist_backend: str = "neuron"
     device_control_env_var: str = "NEURON_RT_VISIBLE_CORES"
     simple_compile_backend: str = "eager"
     supported_quantization: list = []
@@ -127,11 +128,7 @@ class NeuronPlatform(Platform):
         parallel = vllm_config.parallel_config
         if parallel.worker_cls == "auto":
             parallel.worker_cls = WORKER
-        world = parallel.world_size
-        if world > 1:
-            raise NotImplementedError(
-                f"neuron: tensor/pipeline parallel serving (world size {world}) is not "
-                "supported by the neuron vLLM plugin yet; use one neuron device")
+        _check_parallel(parallel)
         if parallel.enable_dbo:
             parallel.enable_dbo = False
 
@@ -154,3 +151,37 @@ class NeuronPlatform(Platform):
         # The model runner's step is synchronous: the host finishes a step before the
         # scheduler plans the next one.
         vllm_config.scheduler_config.async_scheduling = False
+
+
+def _check_parallel(parallel) -> None:
+    """Tensor parallelism over the visible neuron devices (one worker each); the other
+    kinds of model parallelism are refused by name."""
+    refused = [("pipeline parallel", "pipeline_parallel_size"),
+               ("prefill context parallel", "prefill_context_parallel_size"),
+               ("decode context parallel", "decode_context_parallel_size"),
+               ("data parallel", "data_parallel_size")]
+    for what, attr in refused:
+        size = getattr(parallel, attr, 1)
+        if size > 1:
+            hint = ("; for data parallelism run one server per neuron device "
+                    "(NEURON_RT_VISIBLE_CORES)" if attr == "data_parallel_size" else "")
+            raise NotImplementedError(
+                f"neuron: {what} serving ({attr}={size}) is not supported by the neuron "
+                f"vLLM plugin; only tensor parallelism is{hint}")
+    if parallel.world_size > 1 and os.environ.get("VLLM_DISTRIBUTED_USE_SPLIT_GROUP", "0") != "0":
+        # vLLM's split-group path binds its default group to "cuda:<rank>" and NCCL.
+        raise NotImplementedError(
+            "neuron: VLLM_DISTRIBUTED_USE_SPLIT_GROUP="
+            f"{os.environ['VLLM_DISTRIBUTED_USE_SPLIT_GROUP']} is not supported with tensor "
+            "parallelism on neuron (vLLM's split-group path is CUDA-only); unset it")
+    if getattr(parallel, "nnodes", 1) > 1:
+        raise NotImplementedError(
+            f"neuron: multi-node serving (nnodes={parallel.nnodes}) is not supported by the "
+            "neuron vLLM plugin; tensor parallelism runs on one host's neuron devices")
+    tp = parallel.tensor_parallel_size
+    count = torch.neuron.device_count()
+    if tp > count:
+        raise ValueError(
+            f"neuron: tensor_parallel_size={tp} needs {tp} neuron devices (one worker each) "
+            f"but {count} are visible (torch.neuron.device_count(); set by "
+            "NEURON_RT_VISIBLE_CORES / NEURON_RT_NUM_CORES)")
