@@ -17,8 +17,11 @@ TP = 2
 
 @pytest.fixture(scope="module")
 def tp_llm(llama_dir):
-    # the tiny Llama has 4 attention heads and 2 KV heads: each worker holds half of each
-    llm = make_llm(llama_dir, tensor_parallel_size=TP)
+    # The tiny Llama has 4 attention heads and 2 KV heads: each worker holds half of each.
+    # An inherited LOCAL_RANK (as under a launcher) must not move a worker off neuron:<rank>.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("LOCAL_RANK", "1")
+        llm = make_llm(llama_dir, tensor_parallel_size=TP)
     yield llm
     llm.llm_engine.engine_core.shutdown()
 
