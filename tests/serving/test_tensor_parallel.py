@@ -2,7 +2,6 @@
 neuron:0 and neuron:1 whose collectives go through the "neuron" c10d backend; greedy output
 equals Transformers' on CPU token for token. Other parallelism and too few devices are refused."""
 import os
-import socket
 import subprocess
 import sys
 import traceback
@@ -11,6 +10,7 @@ import pytest
 import torch
 
 from test_offline import MAX_TOKENS, greedy, make_llm, prompt_ids, transformers_greedy
+from test_server import free_port
 
 TP = 2
 
@@ -52,12 +52,6 @@ def _cores_per_chip() -> int:
     import torch_neuronx
     cfg = torch_neuronx._state.config()
     return cfg.profile.logical_cores(cfg.lnc)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _group_rank(rank: int, world: int, port: int, queue) -> None:
@@ -140,7 +134,7 @@ def test_vllm_tp_group_collectives_on_the_neuron_backend_equal_cpu():
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_group_rank, args=(r, TP, port, queue)) for r in range(TP)]
     for p in procs:
         p.start()
@@ -163,8 +157,9 @@ def test_pipeline_parallel_is_refused(llama_dir):
 
 
 def test_more_tp_workers_than_devices_names_both_numbers(llama_dir):
-    # One visible core (NEURON_RT_VISIBLE_CORES) and two workers asked for. A fresh process:
-    # the device count is read when torch_neuronx is imported.
+    # One visible core (NEURON_RT_VISIBLE_CORES) and two workers asked for (a size vLLM's own
+    # check of the 4 heads accepts). A fresh process: the device count is read when
+    # torch_neuronx is imported.
     code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
             "from test_offline import make_llm\n"
             "if __name__ == '__main__':\n"
@@ -173,5 +168,5 @@ def test_more_tp_workers_than_devices_names_both_numbers(llama_dir):
                          timeout=300, env=dict(os.environ, NEURON_RT_VISIBLE_CORES="1"))
     assert out.returncode != 0
     # a ValueError, which vLLM's pydantic config reports inside its ValidationError
-    assert ("neuron: tensor_parallel_size=2 needs 2 neuron devices (one worker "
-            "each) but 1 are visible") in out.stderr, out.stderr[-3000:]
+    assert ("neuron: tensor_parallel_size=2 needs 2 neuron devices (one worker each) but 1 "
+            "are visible") in out.stderr, out.stderr[-3000:]
