@@ -161,7 +161,7 @@ def _check_parallel(parallel) -> None:
                ("decode context parallel", "decode_context_parallel_size"),
                ("data parallel", "data_parallel_size")]
     for what, attr in refused:
-        size = getattr(parallel, attr, 1)
+        size = getattr(parallel, attr)
         if size > 1:
             hint = ("; for data parallelism run one server per neuron device "
                     "(NEURON_RT_VISIBLE_CORES)" if attr == "data_parallel_size" else "")
@@ -174,7 +174,7 @@ def _check_parallel(parallel) -> None:
             "neuron: VLLM_DISTRIBUTED_USE_SPLIT_GROUP="
             f"{os.environ['VLLM_DISTRIBUTED_USE_SPLIT_GROUP']} is not supported with tensor "
             "parallelism on neuron (vLLM's split-group path is CUDA-only); unset it")
-    if getattr(parallel, "nnodes", 1) > 1:
+    if parallel.nnodes > 1:
         raise NotImplementedError(
             f"neuron: multi-node serving (nnodes={parallel.nnodes}) is not supported by the "
             "neuron vLLM plugin; tensor parallelism runs on one host's neuron devices")

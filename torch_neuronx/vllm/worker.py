@@ -33,14 +33,12 @@ class NeuronWorker(Worker):
         self.device = torch.device("neuron", self.local_rank)
         current_platform.set_device(self.device)
         current_platform.check_if_supports_dtype(self.model_config.dtype)
-        world = self.parallel_config.world_size
-        if world > 1:
-            # The "neuron" backend binds each rank to neuron:LOCAL_RANK when the world group
-            # is created, as torchrun ranks expect; vLLM's workers are one host's ranks,
-            # so say which (as vLLM's XPU worker does for oneCCL). An inherited LOCAL_RANK
-            # would otherwise move this worker's collectives to another device.
-            os.environ["LOCAL_RANK"] = str(self.local_rank)
-            os.environ["LOCAL_WORLD_SIZE"] = str(world)
+        # The "neuron" backend binds each rank to neuron:LOCAL_RANK when the world group is
+        # created, as torchrun ranks expect; vLLM's workers are one host's ranks, so say
+        # which (as vLLM's XPU worker does for oneCCL). An inherited LOCAL_RANK would
+        # otherwise move this worker, and its collectives, to another device.
+        os.environ["LOCAL_RANK"] = str(self.local_rank)
+        os.environ["LOCAL_WORLD_SIZE"] = str(self.parallel_config.world_size)
         init_worker_distributed_environment(
             self.vllm_config, self.rank, self.distributed_init_method, self.local_rank,
             current_platform.dist_backend)
