@@ -16,14 +16,34 @@ TP = 2
 
 
 @pytest.fixture(scope="module")
-def tp_llm(llama_dir):
+def prometheus_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("prometheus")
+
+
+@pytest.fixture(scope="module")
+def tp_llm(llama_dir, prometheus_dir):
     # The tiny Llama has 4 attention heads and 2 KV heads: each worker holds half of each.
     # An inherited LOCAL_RANK (as under a launcher) must not move a worker off neuron:<rank>.
+    # The workers (spawned meanwhile) write the modelled series to Prometheus' multiprocess
+    # directory, as under the server.
     with pytest.MonkeyPatch.context() as env:
         env.setenv("LOCAL_RANK", "1")
+        env.setenv("PROMETHEUS_MULTIPROC_DIR", str(prometheus_dir))
         llm = make_llm(llama_dir, tensor_parallel_size=TP)
     yield llm
     llm.llm_engine.engine_core.shutdown()
+
+
+def _published(prometheus_dir) -> tuple:
+    """(tokens, requests with a first token) in the modelled series of all processes."""
+    from prometheus_client import CollectorRegistry, multiprocess
+    reg = CollectorRegistry()
+    multiprocess.MultiProcessCollector(reg, path=str(prometheus_dir))
+    label = {"platform": _platform()}
+    tokens = reg.get_sample_value("neuron:modelled_tokens_total", label) or 0.0
+    ttft = reg.get_sample_value("neuron:modelled_time_to_first_token_seconds_count",
+                                label) or 0.0
+    return tokens, ttft
 
 
 def test_tp2_greedy_batch_equals_transformers(tp_llm, llama_dir):
@@ -31,9 +51,15 @@ def test_tp2_greedy_batch_equals_transformers(tp_llm, llama_dir):
     assert greedy(tp_llm, prompts) == transformers_greedy(llama_dir, prompts, MAX_TOKENS)
 
 
-def test_tp2_workers_own_a_device_and_reduce_through_the_neuron_backend(tp_llm):
+def test_tp2_workers_own_a_device_and_reduce_through_the_neuron_backend(tp_llm,
+                                                                        prometheus_dir):
     tp_llm.collective_rpc("reset_modelled_summary")
+    before = _published(prometheus_dir)
     greedy(tp_llm, prompt_ids(2, seed=3), 4)
+    # Both workers model the same steps; only the first publishes, so each token and each
+    # request is counted once.
+    tokens, ttft = _published(prometheus_dir)
+    assert (tokens - before[0], ttft - before[1]) == (2 * 4, 2)
     summaries = tp_llm.collective_rpc("modelled_summary")
     assert [s["device"] for s in summaries] == [f"neuron:{i}" for i in range(TP)]
     for s in summaries:
@@ -52,6 +78,11 @@ def _cores_per_chip() -> int:
     import torch_neuronx
     cfg = torch_neuronx._state.config()
     return cfg.profile.logical_cores(cfg.lnc)
+
+
+def _platform() -> str:
+    import torch_neuronx
+    return torch_neuronx._state.config().profile.name
 
 
 def _group_rank(rank: int, world: int, port: int, queue) -> None:
