@@ -15,6 +15,7 @@ import torch
 
 from .. import _C, cost_model
 from . import stochastic_rounding
+from ._meta import to_meta
 
 _lib = torch.library.Library("aten", "IMPL")
 
@@ -36,7 +37,7 @@ def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     if stochastic_rounding._applies(narrow):
         # The switch on: the fp32 result, rounded once stochastically on the device, as the
         # hardware writes PSUM out (CPU's kernel would round to nearest even inside).
-        torch.ops.aten._grouped_mm(*(_meta(t) for t in (mat_a, mat_b, offs, bias)), out_dtype)  # CPU's checks
+        torch.ops.aten._grouped_mm(*(to_meta(t) for t in (mat_a, mat_b, offs, bias)), out_dtype)  # CPU's checks
         wide = torch._grouped_mm(*(t.float() if t is not None and t.is_floating_point() else t
                                    for t in host), out_dtype=torch.float32)
         _charge(dev, mat_a, mat_b, offs, wide.nbytes // 2)
@@ -44,10 +45,6 @@ def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     out = torch._grouped_mm(*host[:2], host[2], host[3], out_dtype)
     _charge(dev, mat_a, mat_b, offs, out.nbytes)
     return _C._adopt_tensor(out, idx)
-
-
-def _meta(t):
-    return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
 def _charge(dev, mat_a, mat_b, offs, out_nbytes):

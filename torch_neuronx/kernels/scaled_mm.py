@@ -22,6 +22,7 @@ import torch
 
 from .. import _C, _state, cost_model
 from . import stochastic_rounding
+from ._meta import to_meta
 
 _lib = torch.library.Library("aten", "IMPL")
 
@@ -466,10 +467,6 @@ _lib.impl("_scaled_mm_v2.out", _scaled_mm_v2_out, "PrivateUse1")
 
 
 # --- torch._scaled_grouped_mm and _v2 (scaled_grouped_mm): FP8 rowwise and MX grouped GEMMs, for MoE ---
-def _meta(t):
-    return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-
-
 def _scaled_grouped_mm(self, mat2, scale_a, scale_b, offs=None, bias=None, scale_result=None,
                        out_dtype=None, use_fast_accum=False):
     op = "_scaled_grouped_mm"
@@ -477,7 +474,7 @@ def _scaled_grouped_mm(self, mat2, scale_a, scale_b, offs=None, bias=None, scale
     _same_device(op, dev, mat2=mat2, scale_a=scale_a, scale_b=scale_b, offs=offs, bias=bias,
                  scale_result=scale_result)
     # PyTorch's meta function carries CUDA's checks (Blas.cpp) with CUDA's messages.
-    torch.ops.aten._scaled_grouped_mm(*map(_meta, (self, mat2, scale_a, scale_b, offs, bias, scale_result)),
+    torch.ops.aten._scaled_grouped_mm(*map(to_meta, (self, mat2, scale_a, scale_b, offs, bias, scale_result)),
                                       out_dtype, use_fast_accum)
     _check_multiple_of_16(self, mat2)  # CUDA's, past what the meta function checks
     if scale_a.dtype == _E8M0:

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from .. import _C
+from ._meta import to_meta
 
 _NARROW = (torch.float16, torch.bfloat16)
 _CODE = {5: torch.float16, 15: torch.bfloat16}  # c10::ScalarType as dtype arguments arrive
@@ -257,14 +258,6 @@ def _tensors(v):
     return []
 
 
-def _to_meta(v):
-    if isinstance(v, torch.Tensor) and v.device.type == "neuron":
-        return torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device="meta")
-    if isinstance(v, (list, tuple)):
-        return type(v)(_to_meta(t) for t in v)
-    return v
-
-
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
 
 
@@ -307,7 +300,7 @@ def _result_dtypes(info: _Info, args):
     kernel for these arguments. An error from the Meta kernel is re-raised by the caller
     running the op as it is."""
     try:
-        out = _call(info, [_to_meta(a) for a in args])
+        out = _call(info, [to_meta(a) for a in args])
     except NotImplementedError:
         return None
     if len(info.ret_arg) == 1:

@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import _C
+from ..kernels._meta import to_meta
 
 _pool_ids = itertools.count(1)
 # Ops that only allocate or describe memory: run at capture, nothing to replay.
@@ -44,16 +45,6 @@ def _on_neuron(x):
 def _device_kwarg(kwargs):
     d = kwargs.get("device")
     return torch.device(d) if d is not None else None
-
-
-def _to_meta(x):
-    if isinstance(x, torch.Tensor) and x.device.type == "neuron":
-        base = torch.empty(x.untyped_storage().nbytes() // x.element_size() + 1, dtype=x.dtype,
-                           device="meta")
-        return base.as_strided(x.shape, x.stride(), x.storage_offset())
-    if isinstance(x, torch.device) and x.type == "neuron":
-        return torch.device("meta")
-    return x
 
 
 def _written(schema, args, kwargs):
@@ -146,7 +137,7 @@ class _Recorder(TorchDispatchMode):
 
     @staticmethod
     def _static_outputs(func, args, kwargs, dev):
-        margs, mkwargs = tree_map(_to_meta, (args, kwargs))
+        margs, mkwargs = tree_map(to_meta, (args, kwargs))
         try:
             meta_out = func(*margs, **mkwargs)
         except (NotImplementedError, RuntimeError):
