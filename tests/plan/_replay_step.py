@@ -1,6 +1,7 @@
 """One training step on neuron, traced, of a small MLP stack (``mlp``) or the demo GPT
 (``gpt``): ``<model>-single`` on one device (per op, with the module each op ran under),
-``<model>-fsdp`` (FSDP2 ``fully_shard`` on each of ``MODELS[model].fsdp_units``) or
+``<model>-fsdp`` (FSDP2 ``fully_shard`` on each of ``MODELS[model].fsdp_units``),
+``<model>-hsdp`` (the same over a (WORLD_SIZE / HSDP_SHARD, HSDP_SHARD) mesh) or
 ``<model>-tp`` (``parallelize_module`` with ``MODELS[model].tp_plan``) over WORLD_SIZE ranks.
 Prints the traces as JSON after "TRACE ". Run as a rank (RANK, WORLD_SIZE, MASTER_ADDR/PORT in
 the environment); single-device modes also run without them."""
@@ -19,6 +20,7 @@ from torch_neuronx.demo.gpt import GPT, GPTConfig
 DIM, BLOCKS, TOKENS = 256, 2, 128
 GPT_CONFIG = GPTConfig(n_layer=2)
 GPT_BATCH = 2
+HSDP_SHARD = 2
 
 
 class Block(nn.Module):
@@ -74,10 +76,17 @@ def build(model_name: str, layout: str, dev):
     w = MODELS[model_name]
     torch.manual_seed(0)
     model = w.make().to(dev)
-    if layout == "fsdp":
+    if layout in ("fsdp", "hsdp"):
         from torch.distributed.fsdp import fully_shard
+        mesh = None
+        if layout == "hsdp":
+            # HYBRID_SHARD as FSDP2 spells it: replicate over dim 0, shard over dim 1
+            from torch.distributed.device_mesh import init_device_mesh
+            world = int(os.environ["WORLD_SIZE"])
+            mesh = init_device_mesh("neuron", (world // HSDP_SHARD, HSDP_SHARD),
+                                    mesh_dim_names=("replicate", "shard"))
         for name in w.fsdp_units:
-            fully_shard(model.get_submodule(name))
+            fully_shard(model.get_submodule(name), mesh=mesh)
     elif layout == "tp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
@@ -94,7 +103,7 @@ def traced_step(model_name: str, layout: str, dev, rank: int = 0):
     w = MODELS[model_name]
     model, opt = build(model_name, layout, dev)
     # TP ranks must see the same tokens; FSDP ranks (data parallel) see their own.
-    g = torch.Generator().manual_seed(rank if layout == "fsdp" else 0)
+    g = torch.Generator().manual_seed(rank if layout in ("fsdp", "hsdp") else 0)
     x = w.batch(g).to(dev)
 
     def step():
@@ -138,6 +147,9 @@ def main():
         if layout == "single":
             world, w = int(sys.argv[2]) if len(sys.argv) > 2 else 2, MODELS[model_name]
             out[mode]["fsdp"] = t.replay_layout(fsdp=world, fsdp_units=w.fsdp_units).seconds
+            if world > HSDP_SHARD and world % HSDP_SHARD == 0:
+                out[mode]["hsdp"] = t.replay_layout(fsdp=HSDP_SHARD, fsdp_units=w.fsdp_units,
+                                                    replicate=world // HSDP_SHARD).seconds
             if w.tp_plan:
                 out[mode]["tp"] = t.replay_layout(tp=world, tp_plan=w.tp_plan).seconds
     print("TRACE " + json.dumps(out), flush=True)

@@ -136,6 +136,8 @@ def test_fsdp_optimizer_work_is_divided_by_the_degree(traced):
     (dict(fsdp=2, fsdp_units=["blocks.7"]), r"fsdp_units names 'blocks.7'"),
     (dict(fsdp=2, fsdp_units=[""], tp=2, tp_plan=TP_PLAN), r"fsdp=2 with tp=2"),
     (dict(fsdp=0), r"fsdp=0 must be a positive int"),
+    (dict(replicate=2), r"replicate=2 is HSDP's replica degree and needs fsdp > 1"),
+    (dict(fsdp=2, fsdp_units=[""], replicate=0), r"replicate=0 must be a positive int"),
     (dict(dp=2), r"dp=2 re-prices the traced step's data-parallel collectives, and it issued none"),
     (dict(dp=2, tp=2, tp_plan=TP_PLAN), r"tp=2 with dp=2 \(2-D\)"),
 ])
@@ -210,6 +212,35 @@ def test_uneven_fsdp_shards_replay_rank_0(traced):
     assert real[0]["seconds"] == pytest.approx(predicted.seconds, rel=1e-9)
     assert real[1]["seconds"] == pytest.approx(predicted.seconds, rel=1e-9)
     assert predicted.seconds * (1 - 1e-3) < real[2]["seconds"] < predicted.seconds
+
+
+def test_hsdp_replay_equals_a_real_4_rank_run(traced):
+    """HSDP (fully_shard over a (replicate=2, shard=2) mesh, FSDP2's hybrid sharding) on 4
+    ranks: each rank's step is FSDP=2's plus, per unit in backward, the all-reduce of the
+    reduce-scattered shard over the 2 replicas. Every rank reports the replayed step."""
+    predicted = traced.replay_layout(fsdp=2, fsdp_units=FSDP_UNITS, replicate=2)
+    fsdp = traced.replay_layout(fsdp=2, fsdp_units=FSDP_UNITS)
+    real = [r["mlp-hsdp"] for r in ranks(4, "_replay_step.py", "mlp-hsdp")]
+    for r in real:
+        assert [c[:3] for c in r["collectives"]] == [list(c[:3]) for c in predicted.collectives]
+        assert [c[4] for c in r["collectives"]] == pytest.approx(
+            [c[3] for c in predicted.collectives], rel=1e-12)
+        assert r["seconds"] == pytest.approx(predicted.seconds, rel=1e-9)
+    reduces = [c for c in predicted.collectives if c[0] == "all_reduce"]
+    assert len(reduces) == 2 and all(c[2] == 2 for c in reduces)
+    assert predicted.seconds == pytest.approx(fsdp.seconds + sum(c[3] for c in reduces), rel=1e-12)
+
+
+def test_hsdp_across_nodes_prices_the_replica_all_reduce_over_the_fabric(traced):
+    """Replicas on different nodes (the usual HSDP placement): the shard group stays in a
+    node and its collectives keep their price; only the replicas' all-reduce crosses nodes."""
+    one = traced.replay_layout(fsdp=2, fsdp_units=FSDP_UNITS, replicate=2)
+    two = traced.replay_layout(fsdp=2, fsdp_units=FSDP_UNITS, replicate=2, nodes=2)
+    for a, b in zip(one.collectives, two.collectives):
+        if a[0] == "all_reduce":
+            assert b[3] > a[3]
+        else:
+            assert b[3] == a[3]
 
 
 class _Twice(step_script.MLP):

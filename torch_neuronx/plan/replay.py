@@ -19,6 +19,8 @@ FSDP=N (``fully_shard`` on each unit of ``fsdp_units``), per unit with parameter
   and the ``reduce_scatter`` of N x shard bytes; optimizer (``_foreach_*``) ops re-priced
   for the local shards (dim 0 padded to a multiple of N, as FSDP2 shards); less the device
   time two copy-ins hide on FSDP2's copy-in stream (``_overlap``).
+HSDP (FSDP=S with replicate=R, ``fully_shard`` over a (R, S) mesh): FSDP=S's step, plus per
+  unit in backward the ``all_reduce`` of its reduce-scattered shard over the R replicas.
 TP=N (``parallelize_module`` with Colwise/RowwiseParallel):
   every op of a parallel Linear, and every op between a column-parallel Linear and the next
   row-parallel one (forward; the reverse in backward), re-priced with the split dimension
@@ -272,7 +274,7 @@ def _unit_params(trace, units) -> dict:
     return owned
 
 
-def replay_fsdp(trace, n: int, units, cfg, nodes: int) -> Replay:
+def replay_fsdp(trace, n: int, units, cfg, nodes: int, replicate: int = 1) -> Replay:
     from ..cost_model import copy_seconds, op_seconds
     from ..distributed.collectives_model import collective_seconds
     if units is None and n > 1:
@@ -285,7 +287,10 @@ def replay_fsdp(trace, n: int, units, cfg, nodes: int) -> Replay:
             raise ValueError(f"replay: fsdp_units names {u!r}, which is not a submodule of the "
                              f"traced module")
     p, lnc = cfg
-    out = Replay(f"fsdp={n}")
+    out = Replay(f"fsdp={n}" + (f" replicate={replicate}" if replicate > 1 else ""))
+    # HSDP's mesh is (replicate, shard), ranks shard-major: a shard group spans
+    # ceil(nodes / replicate) nodes, a replica group one rank on each of min(replicate, nodes)
+    shard_nodes, replica_nodes = -(-nodes // replicate), min(replicate, nodes)
     covered = {fqn for fqn in trace.params
                if any(u == "" or fqn.startswith(u + ".") for u in units)}
 
@@ -327,7 +332,7 @@ def replay_fsdp(trace, n: int, units, cfg, nodes: int) -> Replay:
         out._op("_foreach_copy_", unit, bw, copy_in[unit])
         flat = n * sum(shards) * item
         out._collective("all_gather", flat, n, collective_seconds(
-            "all_gather", flat, n, nodes, p, lnc))
+            "all_gather", flat, n, shard_nodes, p, lnc))
         copy_out[unit] = 0.0
         for s in shards:   # copy-out: each parameter's (n, shard) rows from the flat output
             seconds = copy_seconds(p, lnc, "copy_d2d", n * s * item)
@@ -352,7 +357,13 @@ def replay_fsdp(trace, n: int, units, cfg, nodes: int) -> Replay:
         out._op("cat", unit, True, op_seconds(p, lnc, "cat", [(n, s) for s in shards], dtype,
                                               2 * flat, flat)[0])
         out._collective("reduce_scatter", flat, n, collective_seconds(
-            "reduce_scatter", flat, n, nodes, p, lnc))
+            "reduce_scatter", flat, n, shard_nodes, p, lnc))
+        if replicate > 1:
+            # HSDP: the reduce-scattered shard is then all-reduced across the replicas
+            # (averaged on the host, as the reduce-scatter is: no device op)
+            shard = flat // n
+            out._collective("all_reduce", shard, replicate, collective_seconds(
+                "all_reduce", shard, replicate, replica_nodes, p, lnc))
 
     # In FSDP2's order: forward all-gathers (the root's first); in backward each unit
     # (the root keeps its parameters after forward) re-gathers, the next one's all-gather

@@ -63,24 +63,31 @@ class StepTrace:
                       for op, nbytes, _, _, _ in self.collectives)
         return self.seconds - traced + resized
 
-    def replay_layout(self, *, fsdp: int = 1, fsdp_units=None, tp: int = 1, tp_plan=None,
-                      dp: int = 1, nodes: int = 1, profile=None, lnc: int | None = None):
+    def replay_layout(self, *, fsdp: int = 1, fsdp_units=None, replicate: int = 1, tp: int = 1,
+                      tp_plan=None, dp: int = 1, nodes: int = 1, profile=None,
+                      lnc: int | None = None):
         """One rank's modelled step (a ``plan.replay.Replay``) when the traced step runs under
         FSDP2 over ``fsdp`` ranks (``fully_shard`` on each module named in ``fsdp_units``,
         "" for the root), tensor parallelism over ``tp`` ranks (``tp_plan``: Linear module
         name -> "colwise" | "rowwise", as ``parallelize_module``'s plan), or data parallelism
-        over ``dp`` ranks, on ``nodes`` nodes. fsdp and tp replay a single-device step traced
-        with ``trace(device, module)``; dp a DDP step traced on one rank (its collectives
-        re-priced, as ``replay``). One degree at a time; docs/plan.md says what is charged."""
+        over ``dp`` ranks, on ``nodes`` nodes. ``replicate=R`` with ``fsdp=S`` is HSDP
+        (``fully_shard`` over a (R, S) mesh: sharded over S, replicated over R; R x S ranks).
+        fsdp and tp replay a single-device step traced with ``trace(device, module)``; dp a
+        DDP step traced on one rank (its collectives re-priced, as ``replay``). One degree at
+        a time otherwise; docs/plan.md says what is charged."""
         from .. import _state
         from .replay import Replay, replay_fsdp, replay_tp
-        for name, degree in (("fsdp", fsdp), ("tp", tp), ("dp", dp)):
+        for name, degree in (("fsdp", fsdp), ("replicate", replicate), ("tp", tp), ("dp", dp)):
             if not isinstance(degree, int) or degree < 1:
                 raise ValueError(f"replay_layout: {name}={degree!r} must be a positive int")
         several = [f"{k}={v}" for k, v in (("fsdp", fsdp), ("tp", tp), ("dp", dp)) if v > 1]
         if len(several) > 1:
             raise ValueError(f"replay_layout: {' with '.join(several)} (2-D) is not replayed "
-                             "yet; replay one degree at a time")
+                             "yet; replay one degree at a time (or fsdp with replicate: HSDP)")
+        if replicate > 1 and fsdp == 1:
+            raise ValueError(f"replay_layout: replicate={replicate} is HSDP's replica degree "
+                             "and needs fsdp > 1 (the shard degree); for plain data "
+                             "parallelism use dp")
         cfg = _state.config()
         cfg = (profile or cfg.profile, lnc or cfg.lnc)
         if dp > 1:
@@ -101,7 +108,7 @@ class StepTrace:
                              "it with plan.trace(device, module)")
         if tp > 1:
             return replay_tp(self, tp, tp_plan, cfg, nodes)
-        return replay_fsdp(self, fsdp, fsdp_units, cfg, nodes)
+        return replay_fsdp(self, fsdp, fsdp_units, cfg, nodes, replicate)
 
 
 def _tracker(flush, moved, root, calls: dict):
