@@ -21,6 +21,7 @@ DIM, BLOCKS, TOKENS = 256, 2, 128
 GPT_CONFIG = GPTConfig(n_layer=2)
 GPT_BATCH = 2
 HSDP_SHARD = 2
+TP_2D = 2
 
 
 class Block(nn.Module):
@@ -87,6 +88,18 @@ def build(model_name: str, layout: str, dev):
                                     mesh_dim_names=("replicate", "shard"))
         for name in w.fsdp_units:
             fully_shard(model.get_submodule(name), mesh=mesh)
+    elif layout == "fsdptp":
+        # 2-D as TorchTitan lays it out: TP inside (mesh dim "tp"), FSDP2 across ("dp")
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                       parallelize_module)
+        world = int(os.environ["WORLD_SIZE"])
+        mesh = init_device_mesh("neuron", (world // TP_2D, TP_2D), mesh_dim_names=("dp", "tp"))
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        parallelize_module(model, mesh["tp"], {k: styles[v]() for k, v in w.tp_plan.items()})
+        for name in w.fsdp_units:
+            fully_shard(model.get_submodule(name), mesh=mesh["dp"])
     elif layout == "tp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
@@ -103,7 +116,8 @@ def traced_step(model_name: str, layout: str, dev, rank: int = 0):
     w = MODELS[model_name]
     model, opt = build(model_name, layout, dev)
     # TP ranks must see the same tokens; FSDP ranks (data parallel) see their own.
-    g = torch.Generator().manual_seed(rank if layout in ("fsdp", "hsdp") else 0)
+    seed = {"fsdp": rank, "hsdp": rank, "fsdptp": rank // TP_2D}.get(layout, 0)
+    g = torch.Generator().manual_seed(seed)
     x = w.batch(g).to(dev)
 
     def step():

@@ -134,12 +134,13 @@ def test_fsdp_optimizer_work_is_divided_by_the_degree(traced):
     (dict(tp=2), r"tp > 1 needs tp_plan"),
     (dict(fsdp=2), r"fsdp > 1 needs fsdp_units"),
     (dict(fsdp=2, fsdp_units=["blocks.7"]), r"fsdp_units names 'blocks.7'"),
-    (dict(fsdp=2, fsdp_units=[""], tp=2, tp_plan=TP_PLAN), r"fsdp=2 with tp=2"),
+    (dict(fsdp=2, fsdp_units=[""], tp=2, tp_plan=TP_PLAN, replicate=2),
+     r"fsdp=2 with replicate=2 with tp=2 is not replayed yet"),
     (dict(fsdp=0), r"fsdp=0 must be a positive int"),
     (dict(replicate=2), r"replicate=2 is HSDP's replica degree and needs fsdp > 1"),
     (dict(fsdp=2, fsdp_units=[""], replicate=0), r"replicate=0 must be a positive int"),
     (dict(dp=2), r"dp=2 re-prices the traced step's data-parallel collectives, and it issued none"),
-    (dict(dp=2, tp=2, tp_plan=TP_PLAN), r"tp=2 with dp=2 \(2-D\)"),
+    (dict(dp=2, tp=2, tp_plan=TP_PLAN), r"tp=2 with dp=2 is not replayed yet"),
 ])
 def test_bad_layouts_raise_clear_errors(traced, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -241,6 +242,29 @@ def test_hsdp_across_nodes_prices_the_replica_all_reduce_over_the_fabric(traced)
             assert b[3] > a[3]
         else:
             assert b[3] == a[3]
+
+
+def test_fsdp_x_tp_replay_equals_a_real_4_rank_run(traced):
+    """2-D as TorchTitan lays it out on 4 ranks: TP=2 inside (mesh dim "tp"), FSDP2 over
+    "dp" on the TP-local parameters. The replay is TP=2's plus FSDP=2 over the TP-local
+    shards; every rank reports it (the collectives in another order: TP's are listed first)."""
+    predicted = traced.replay_layout(fsdp=2, fsdp_units=FSDP_UNITS, tp=2, tp_plan=TP_PLAN)
+    tp = traced.replay_layout(tp=2, tp_plan=TP_PLAN)
+    real = [r["mlp-fsdptp"] for r in ranks(4, "_replay_step.py", "mlp-fsdptp")]
+    want = sorted((op, nbytes, group) for op, nbytes, group, _ in predicted.collectives)
+    for r in real:
+        assert sorted(tuple(c[:3]) for c in r["collectives"]) == want
+        assert sum(c[4] for c in r["collectives"]) == pytest.approx(
+            predicted.collective_seconds, rel=1e-12)
+        assert r["seconds"] == pytest.approx(predicted.seconds, rel=1e-9)
+    # FSDP gathers the TP-local shards: a little more than half of what FSDP=2 alone moves
+    # (the row-parallel bias is replicated by TP, so FSDP shards all of it)
+    fsdp = traced.replay_layout(fsdp=2, fsdp_units=FSDP_UNITS)
+    gathers = [c[1] for c in predicted.collectives if c[0] == "all_gather"]
+    alone = [c[1] for c in fsdp.collectives if c[0] == "all_gather"]
+    assert len(gathers) == len(alone) == 4
+    assert all(a // 2 < g < a for g, a in zip(gathers, alone))
+    assert predicted.flops == pytest.approx(tp.flops)
 
 
 class _Twice(step_script.MLP):

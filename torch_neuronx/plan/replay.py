@@ -1,4 +1,5 @@
-"""A traced single-device step replayed under FSDP2 or Megatron tensor parallelism.
+"""A traced single-device step replayed under FSDP2 (HSDP), Megatron tensor parallelism, or
+both.
 
 ``StepTrace.replay_layout(fsdp=N, fsdp_units=[...])`` and
 ``StepTrace.replay_layout(tp=N, tp_plan={...})`` start from the ops the cost model charged
@@ -21,6 +22,8 @@ FSDP=N (``fully_shard`` on each unit of ``fsdp_units``), per unit with parameter
   time two copy-ins hide on FSDP2's copy-in stream (``_overlap``).
 HSDP (FSDP=S with replicate=R, ``fully_shard`` over a (R, S) mesh): FSDP=S's step, plus per
   unit in backward the ``all_reduce`` of its reduce-scattered shard over the R replicas.
+FSDP=N x TP=T (a (dp, tp) mesh, TP inside): TP=T's replay with the optimizer stepping the
+  FSDP shards, plus FSDP=N over the TP-local parameters.
 TP=N (``parallelize_module`` with Colwise/RowwiseParallel):
   every op of a parallel Linear, and every op between a column-parallel Linear and the next
   row-parallel one (forward; the reverse in backward), re-priced with the split dimension
@@ -196,17 +199,31 @@ def _local_bytes(params: dict, sharded) -> tuple:
     return local, full
 
 
-def replay_tp(trace, tp: int, tp_plan: dict, cfg, nodes: int) -> Replay:
+def _tp_local_shape(fqn: str, shape: tuple, tp_plan: dict, tp: int) -> tuple:
+    """A parameter's local shape under the TP plan: a column-parallel Linear's weight and bias
+    split on dim 0 (out_features), a row-parallel one's weight on dim 1 (in_features)."""
+    mod, _, pname = fqn.rpartition(".")
+    style = tp_plan.get(mod)
+    if style == "colwise":
+        return (shape[0] // tp, *shape[1:])
+    if style == "rowwise" and pname == "weight":
+        return (shape[0], shape[1] // tp, *shape[2:])
+    return tuple(shape)
+
+
+def replay_tp(trace, tp: int, tp_plan: dict, cfg, nodes: int, fsdp: int = 1,
+              fsdp_covered=frozenset()) -> Replay:
+    """TP=tp; with ``fsdp`` > 1 the TP part of a 2-D run: the optimizer also steps only the
+    FSDP shards (of the TP-local parameters in ``fsdp_covered``)."""
     from ..distributed.collectives_model import collective_seconds
     _check_plan(tp, tp_plan, trace.linears)
     out = Replay(f"tp={tp}")
 
     def sharded(fqn, shape, numel):
-        mod, _, pname = fqn.rpartition(".")
-        style = tp_plan.get(mod)
-        if style == "colwise" or (style == "rowwise" and pname == "weight"):
-            return numel // tp
-        return numel
+        local = _tp_local_shape(fqn, shape, tp_plan, tp)
+        if fqn in fsdp_covered:
+            return min(math.prod(local), _shard_numel(local, fsdp))
+        return math.prod(local)
     local, full = _local_bytes(trace.params, sharded)
     ratio = local / full if full else 1.0
     comm = lambda op, nbytes: collective_seconds(op, nbytes, tp, nodes, cfg[0], cfg[1])  # noqa: E731
@@ -265,16 +282,19 @@ def _matmul_k(c) -> int | None:
     return dims[2] if dims else None
 
 
-def _unit_params(trace, units) -> dict:
+def _unit_params(params: dict, units) -> dict:
     """unit name -> [(shape, dtype)] of the parameters it shards (those of no nested unit)."""
     owned = {u: [] for u in units}
-    for fqn, (shape, dtype) in trace.params.items():
+    for fqn, (shape, dtype) in params.items():
         owners = [u for u in units if u == "" or fqn.startswith(u + ".")]
         owned[max(owners, key=len)].append((shape, dtype)) if owners else None
     return owned
 
 
-def replay_fsdp(trace, n: int, units, cfg, nodes: int, replicate: int = 1) -> Replay:
+def replay_fsdp(trace, n: int, units, cfg, nodes: int, replicate: int = 1, tp: int = 1,
+                tp_plan=None) -> Replay:
+    """FSDP=n (HSDP with ``replicate`` > 1); with ``tp`` > 1 FSDP x TP as TorchTitan lays it
+    out (mesh (dp=n, tp), TP inside): TP=tp's replay, then FSDP over the TP-local parameters."""
     from ..cost_model import copy_seconds, op_seconds
     from ..distributed.collectives_model import collective_seconds
     if units is None and n > 1:
@@ -287,40 +307,54 @@ def replay_fsdp(trace, n: int, units, cfg, nodes: int, replicate: int = 1) -> Re
             raise ValueError(f"replay: fsdp_units names {u!r}, which is not a submodule of the "
                              f"traced module")
     p, lnc = cfg
-    out = Replay(f"fsdp={n}" + (f" replicate={replicate}" if replicate > 1 else ""))
-    # HSDP's mesh is (replicate, shard), ranks shard-major: a shard group spans
-    # ceil(nodes / replicate) nodes, a replica group one rank on each of min(replicate, nodes)
-    shard_nodes, replica_nodes = -(-nodes // replicate), min(replicate, nodes)
     covered = {fqn for fqn in trace.params
                if any(u == "" or fqn.startswith(u + ".") for u in units)}
+    if tp > 1:
+        # The mesh is (dp, tp), ranks tp-major: a TP group spans ceil(nodes / n) nodes, an
+        # FSDP group one rank on each of min(n, nodes).
+        out = replay_tp(trace, tp, tp_plan, cfg, -(-nodes // n), fsdp=n, fsdp_covered=covered)
+        out.layout = f"fsdp={n} tp={tp}"
+        params = {fqn: (_tp_local_shape(fqn, shape, tp_plan, tp), dtype)
+                  for fqn, (shape, dtype) in trace.params.items()}
+        shard_nodes, replica_nodes = min(n, nodes), 1
+        # the traced ops as TP runs them (replay_tp keeps them first, in trace order)
+        window = [s for _, _, _, s, _ in out.ops[:len(trace.ops)]]
+    else:
+        out = Replay(f"fsdp={n}" + (f" replicate={replicate}" if replicate > 1 else ""))
+        params = trace.params
+        # HSDP's mesh is (replicate, shard), ranks shard-major: a shard group spans
+        # ceil(nodes / replicate) nodes, a replica group one rank on each of
+        # min(replicate, nodes)
+        shard_nodes, replica_nodes = -(-nodes // replicate), min(replicate, nodes)
 
-    def sharded(fqn, shape, numel):
-        # a parameter of no unit stays replicated (FSDP2 leaves it alone)
-        return min(numel, _shard_numel(shape, n)) if fqn in covered else numel
-    local, full = _local_bytes(trace.params, sharded)
-    ratio = local / full if full else 1.0
-    for o in trace.ops:
-        c = o.charge
-        if c.engine == "collective":
-            raise ValueError(f"replay: the traced step issued {c.name}; fsdp is replayed from "
-                             f"a step traced without collectives")
-        seconds, flops = (_optimizer_op(o, ratio, cfg, trace.params)
-                          if _is_optimizer(c.name) and ratio != 1.0 else (c.seconds, c.flops))
-        out._op(c.name, o.module, o.backward, seconds, flops)
+        def sharded(fqn, shape, numel):
+            # a parameter of no unit stays replicated (FSDP2 leaves it alone)
+            return min(numel, _shard_numel(shape, n)) if fqn in covered else numel
+        local, full = _local_bytes(trace.params, sharded)
+        ratio = local / full if full else 1.0
+        for o in trace.ops:
+            c = o.charge
+            if c.engine == "collective":
+                raise ValueError(f"replay: the traced step issued {c.name}; fsdp is replayed "
+                                 f"from a step traced without collectives")
+            seconds, flops = (_optimizer_op(o, ratio, cfg, trace.params)
+                              if _is_optimizer(c.name) and ratio != 1.0 else (c.seconds, c.flops))
+            out._op(c.name, o.module, o.backward, seconds, flops)
+        window = [o.charge.seconds for o in trace.ops]
     gathered = {}   # unit -> (shard elements per parameter, dtype, parameter shapes)
-    for unit, params in _unit_params(trace, units).items():
-        if not params:
+    for unit, owned in _unit_params(params, units).items():
+        if not owned:
             continue
         calls = trace.forward_calls.get(unit, 0)
         if calls != 1:
             raise ValueError(f"replay: fsdp unit {unit!r} ran forward {calls} times in the "
                              f"traced step; FSDP2 all-gathers and reshards it per call, which "
                              f"is replayed for one call only")
-        dtype = params[0][1]
-        if any(d != dtype for _, d in params):
+        dtype = owned[0][1]
+        if any(d != dtype for _, d in owned):
             raise ValueError(f"replay: fsdp unit {unit!r} mixes parameter dtypes; FSDP2 "
                              f"all-gathers one flat buffer per dtype, which is not replayed")
-        gathered[unit] = ([_shard_numel(s, n) for s, _ in params], dtype, [s for s, _ in params])
+        gathered[unit] = ([_shard_numel(s, n) for s, _ in owned], dtype, [s for s, _ in owned])
     copy_in, copy_out = {}, {}
 
     def all_gather(unit, bw):
@@ -380,12 +414,12 @@ def replay_fsdp(trace, n: int, units, cfg, nodes: int, replicate: int = 1) -> Re
         reduce_scatter(u)
     if "" in gathered:
         reduce_scatter("")
-    out.overlap_seconds = _overlap(trace, order, copy_in, copy_out.get(""))
+    out.overlap_seconds = _overlap(trace, window, order, copy_in, copy_out.get(""))
     out.seconds = out.device_seconds + out.collective_seconds - out.overlap_seconds
     return out
 
 
-def _overlap(trace, order: list, copy_in: dict, root_copy_out) -> float:
+def _overlap(trace, seconds: list, order: list, copy_in: dict, root_copy_out) -> float:
     """The device time FSDP2's copy-ins hide. A unit's shards are copied in on the all-gather
     copy-in stream, and the timeline overlaps streams between host waits
     (cost_model._timeline). Most copy-ins sit between two host waits: the previous unit's
@@ -400,29 +434,31 @@ def _overlap(trace, order: list, copy_in: dict, root_copy_out) -> float:
       autograd's seed of the gradient) up to the pre-backward hook that issues it, which is
       the root's own when the root holds parameters (it prefetches that unit), otherwise that
       unit's.
-    Each overlaps its copy-in by the shorter of the two."""
+    Each overlaps its copy-in by the shorter of the two. ``seconds``: each traced op's device
+    time as the layout runs it (re-priced under TP)."""
     ops = trace.ops
     if not order:
         return 0.0
     first, last = order[0], order[-1]
     # forward: from the start (or the root's copy-out) to the first unit's first op
     window = root_copy_out or 0.0
-    for o in ops:
+    for o, sec in zip(ops, seconds):
         if o.module is not None and _unit_of(o.module, order + [""]) == first:
             break
         if not o.backward and not _is_optimizer(o.charge.name):
-            window += o.charge.seconds
+            window += sec
     hidden = min(window, copy_in[first])
     # backward: from the end of the root's forward to the first backward op of a unit that
     # all-gathers (the root included when it holds parameters)
     fwd = [i for i, o in enumerate(ops) if not o.backward and o.module is not None]
     gathering = order + ([""] if root_copy_out is not None else [])
     window = 0.0
-    for o in ops[fwd[-1] + 1:] if fwd else ():
+    start = fwd[-1] + 1 if fwd else len(ops)
+    for o, sec in zip(ops[start:], seconds[start:]):
         if o.backward and _unit_of(o.module, gathering) is not None:
             return hidden + min(window, copy_in[last])
         if not _is_optimizer(o.charge.name):
-            window += o.charge.seconds
+            window += sec
     return hidden
 
 

@@ -73,21 +73,23 @@ class StepTrace:
         over ``dp`` ranks, on ``nodes`` nodes. ``replicate=R`` with ``fsdp=S`` is HSDP
         (``fully_shard`` over a (R, S) mesh: sharded over S, replicated over R; R x S ranks).
         fsdp and tp replay a single-device step traced with ``trace(device, module)``; dp a
-        DDP step traced on one rank (its collectives re-priced, as ``replay``). One degree at
-        a time otherwise; docs/plan.md says what is charged."""
+        DDP step traced on one rank (its collectives re-priced, as ``replay``). Other
+        combinations are refused; docs/plan.md says what is charged."""
         from .. import _state
         from .replay import Replay, replay_fsdp, replay_tp
         for name, degree in (("fsdp", fsdp), ("replicate", replicate), ("tp", tp), ("dp", dp)):
             if not isinstance(degree, int) or degree < 1:
                 raise ValueError(f"replay_layout: {name}={degree!r} must be a positive int")
-        several = [f"{k}={v}" for k, v in (("fsdp", fsdp), ("tp", tp), ("dp", dp)) if v > 1]
-        if len(several) > 1:
-            raise ValueError(f"replay_layout: {' with '.join(several)} (2-D) is not replayed "
-                             "yet; replay one degree at a time (or fsdp with replicate: HSDP)")
-        if replicate > 1 and fsdp == 1:
+        degrees = {k: v for k, v in (("fsdp", fsdp), ("replicate", replicate), ("tp", tp),
+                                     ("dp", dp)) if v > 1}
+        if set(degrees) == {"replicate"}:
             raise ValueError(f"replay_layout: replicate={replicate} is HSDP's replica degree "
                              "and needs fsdp > 1 (the shard degree); for plain data "
                              "parallelism use dp")
+        if len(degrees) > 1 and set(degrees) not in ({"fsdp", "replicate"}, {"fsdp", "tp"}):
+            several = " with ".join(f"{k}={v}" for k, v in degrees.items())
+            raise ValueError(f"replay_layout: {several} is not replayed yet; replayed: fsdp, "
+                             "tp or dp alone, fsdp with replicate (HSDP), fsdp with tp")
         cfg = _state.config()
         cfg = (profile or cfg.profile, lnc or cfg.lnc)
         if dp > 1:
@@ -106,9 +108,9 @@ class StepTrace:
         if not self.modules:
             raise ValueError("replay_layout: the step was traced without its module; trace "
                              "it with plan.trace(device, module)")
-        if tp > 1:
+        if tp > 1 and fsdp == 1:
             return replay_tp(self, tp, tp_plan, cfg, nodes)
-        return replay_fsdp(self, fsdp, fsdp_units, cfg, nodes, replicate)
+        return replay_fsdp(self, fsdp, fsdp_units, cfg, nodes, replicate, tp, tp_plan)
 
 
 def _tracker(flush, moved, root, calls: dict):
