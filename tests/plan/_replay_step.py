@@ -1,7 +1,9 @@
 """One training step on neuron, traced, of a small MLP stack (``mlp``) or the demo GPT
 (``gpt``): ``<model>-single`` on one device (per op, with the module each op ran under),
 ``<model>-fsdp`` (FSDP2 ``fully_shard`` on each of ``MODELS[model].fsdp_units``),
-``<model>-hsdp`` (the same over a (WORLD_SIZE / HSDP_SHARD, HSDP_SHARD) mesh) or
+``<model>-hsdp`` (the same over a (WORLD_SIZE / HSDP_SHARD, HSDP_SHARD) mesh),
+``<model>-fsdpmp``/``-hsdpmp`` (either with a bf16 MixedPrecisionPolicy), ``<model>-fsdptp``
+(FSDP over "dp" and TP over "tp" of a (WORLD_SIZE / TP_2D, TP_2D) mesh) or
 ``<model>-tp`` (``parallelize_module`` with ``MODELS[model].tp_plan``) over WORLD_SIZE ranks.
 Prints the traces as JSON after "TRACE ". Run as a rank (RANK, WORLD_SIZE, MASTER_ADDR/PORT in
 the environment); single-device modes also run without them."""
@@ -77,17 +79,20 @@ def build(model_name: str, layout: str, dev):
     w = MODELS[model_name]
     torch.manual_seed(0)
     model = w.make().to(dev)
-    if layout in ("fsdp", "hsdp"):
-        from torch.distributed.fsdp import fully_shard
-        mesh = None
-        if layout == "hsdp":
+    if layout in ("fsdp", "hsdp", "fsdpmp", "hsdpmp"):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mesh, kw = None, {}
+        if layout.endswith("mp"):
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                   reduce_dtype=torch.float32)
+        if layout.startswith("hsdp"):
             # HYBRID_SHARD as FSDP2 spells it: replicate over dim 0, shard over dim 1
             from torch.distributed.device_mesh import init_device_mesh
             world = int(os.environ["WORLD_SIZE"])
             mesh = init_device_mesh("neuron", (world // HSDP_SHARD, HSDP_SHARD),
                                     mesh_dim_names=("replicate", "shard"))
         for name in w.fsdp_units:
-            fully_shard(model.get_submodule(name), mesh=mesh)
+            fully_shard(model.get_submodule(name), mesh=mesh, **kw)
     elif layout == "fsdptp":
         # 2-D as TorchTitan lays it out: TP inside (mesh dim "tp"), FSDP2 across ("dp")
         from torch.distributed.device_mesh import init_device_mesh
@@ -116,7 +121,7 @@ def traced_step(model_name: str, layout: str, dev, rank: int = 0):
     w = MODELS[model_name]
     model, opt = build(model_name, layout, dev)
     # TP ranks must see the same tokens; FSDP ranks (data parallel) see their own.
-    seed = {"fsdp": rank, "hsdp": rank, "fsdptp": rank // TP_2D}.get(layout, 0)
+    seed = rank // TP_2D if layout == "fsdptp" else rank if "sdp" in layout else 0
     g = torch.Generator().manual_seed(seed)
     x = w.batch(g).to(dev)
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import torch_neuronx
 from torch_neuronx import plan
@@ -19,6 +20,7 @@ from _plan_ranks import ranks  # noqa: E402
 
 MLP, GPT = step_script.MODELS["mlp"], step_script.MODELS["gpt"]
 TP_PLAN, FSDP_UNITS = MLP.tp_plan, MLP.fsdp_units
+_MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
 CASES = {"mlp-fsdp": ("mlp", dict(fsdp=2, fsdp_units=MLP.fsdp_units)),
          "mlp-tp": ("mlp", dict(tp=2, tp_plan=MLP.tp_plan)),
          "gpt-fsdp": ("gpt", dict(fsdp=2, fsdp_units=GPT.fsdp_units))}
@@ -141,6 +143,9 @@ def test_fsdp_optimizer_work_is_divided_by_the_degree(traced):
     (dict(fsdp=2, fsdp_units=[""], replicate=0), r"replicate=0 must be a positive int"),
     (dict(dp=2), r"dp=2 re-prices the traced step's data-parallel collectives, and it issued none"),
     (dict(dp=2, tp=2, tp_plan=TP_PLAN), r"tp=2 with dp=2 is not replayed yet"),
+    (dict(tp=2, tp_plan=TP_PLAN, mp_policy=_MP), r"mp_policy is FSDP2's MixedPrecisionPolicy and needs fsdp > 1"),
+    (dict(fsdp=2, fsdp_units=FSDP_UNITS, tp=2, tp_plan=TP_PLAN, mp_policy=_MP),
+     r"mp_policy with tp is not replayed yet"),
 ])
 def test_bad_layouts_raise_clear_errors(traced, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -265,6 +270,27 @@ def test_fsdp_x_tp_replay_equals_a_real_4_rank_run(traced):
     assert len(gathers) == len(alone) == 4
     assert all(a // 2 < g < a for g, a in zip(gathers, alone))
     assert predicted.flops == pytest.approx(tp.flops)
+
+
+def test_mixed_precision_fsdp_replay_equals_a_real_2_rank_run(traced, traced_gpt):
+    """FSDP2 with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), replayed from the
+    fp32 step: compute in bf16 (int64 inputs kept), all-gathers and copy-outs in bf16, the
+    copy-in casting, gradients cast to fp32 in the reduce-scatter copy-in, the root's input
+    cast. The MLP equals the real run exactly; the GPT within 1e-7 (its fp32 LayerNorm
+    statistics are priced as if cast)."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    real = ranks(2, "_replay_step.py", "mlp-fsdpmp,gpt-fsdpmp")
+    for t, model, rel in ((traced, "mlp", 1e-12), (traced_gpt, "gpt", 1e-7)):
+        units = step_script.MODELS[model].fsdp_units
+        predicted = t.replay_layout(fsdp=2, fsdp_units=units, mp_policy=mp)
+        full = t.replay_layout(fsdp=2, fsdp_units=units)
+        for rank in real:
+            r = rank[f"{model}-fsdpmp"]
+            assert [c[:3] for c in r["collectives"]] == [list(c[:3]) for c in predicted.collectives]
+            assert r["seconds"] == pytest.approx(predicted.seconds, rel=rel)
+        # all-gathers move bf16, reduce-scatters fp32
+        for a, b in zip(predicted.collectives, full.collectives):
+            assert a[1] == (b[1] // 2 if a[0] == "all_gather" else b[1])
 
 
 class _Twice(step_script.MLP):

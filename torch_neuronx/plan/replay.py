@@ -22,6 +22,8 @@ FSDP=N (``fully_shard`` on each unit of ``fsdp_units``), per unit with parameter
   time two copy-ins hide on FSDP2's copy-in stream (``_overlap``).
 HSDP (FSDP=S with replicate=R, ``fully_shard`` over a (R, S) mesh): FSDP=S's step, plus per
   unit in backward the ``all_reduce`` of its reduce-scattered shard over the R replicas.
+Mixed precision (FSDP2's MixedPrecisionPolicy, with FSDP or HSDP): the traced ops re-priced
+  in param_dtype, the collectives and copies in param_dtype/reduce_dtype, the casts added.
 FSDP=N x TP=T (a (dp, tp) mesh, TP inside): TP=T's replay with the optimizer stepping the
   FSDP shards, plus FSDP=N over the TP-local parameters.
 TP=N (``parallelize_module`` with Colwise/RowwiseParallel):
@@ -121,11 +123,13 @@ def _out_numel(op: str, old_shapes, new_shapes, old_out: int, module: str) -> in
                      f"{list(new_shapes)}")
 
 
-def _reprice(charge, shapes, bytes_in: int, bytes_out: int, cfg) -> tuple:
-    """(seconds, flops) of the traced op at new shapes and bytes, by the cost model."""
+def _reprice(charge, shapes, bytes_in: int, bytes_out: int, cfg, dtype=None) -> tuple:
+    """(seconds, flops) of the traced op at new shapes and bytes (and dtype), by the cost
+    model."""
     from ..cost_model import op_seconds
-    seconds, _, flops = op_seconds(cfg[0], cfg[1], charge.name, list(shapes), charge.dtype,
-                                   bytes_in, bytes_out, charge.count, charge.flags)
+    seconds, _, flops = op_seconds(cfg[0], cfg[1], charge.name, list(shapes),
+                                   dtype or charge.dtype, bytes_in, bytes_out, charge.count,
+                                   charge.flags)
     return seconds, flops
 
 
@@ -291,10 +295,66 @@ def _unit_params(params: dict, units) -> dict:
     return owned
 
 
+def _mp_dtypes(trace, mp_policy, covered, tp: int):
+    """(param dtype, reduce dtype, the parameters' own dtype) of an FSDP2
+    ``MixedPrecisionPolicy`` (None: no mixed precision)."""
+    if mp_policy is None or (mp_policy.param_dtype is None and mp_policy.reduce_dtype is None):
+        return None
+    if tp > 1:
+        raise ValueError("replay: mp_policy with tp is not replayed yet (checked against real "
+                         "runs: FSDP and HSDP)")
+    if getattr(mp_policy, "output_dtype", None) is not None:
+        raise ValueError("replay: mp_policy.output_dtype is not replayed")
+    own = {trace.params[f][1] for f in covered}
+    if len(own) != 1:
+        raise ValueError(f"replay: mp_policy needs the sharded parameters in one dtype, not "
+                         f"{sorted(map(str, own))}")
+    orig = own.pop()
+    pd = mp_policy.param_dtype or orig
+    return pd, mp_policy.reduce_dtype or pd, orig
+
+
+def _float_bytes_in(c, orig) -> tuple | None:
+    """(floating-point elements, other bytes) of an op's inputs: the record keeps one dtype,
+    so int64 inputs (indices, targets) are told by the bytes they add. None when no single
+    split explains the bytes (inputs beyond the three shapes a record keeps)."""
+    numels = [math.prod(s) for s in c.shapes]
+    total, per_launch = sum(numels), c.bytes_in / c.count
+    if per_launch == total * orig.itemsize:
+        return c.count * total, 0
+    found = set()
+    for mask in range(1, 1 << len(numels)):
+        ints = sum(x for i, x in enumerate(numels) if mask >> i & 1)
+        if (total - ints) * orig.itemsize + ints * 8 == per_launch:
+            found.add((c.count * (total - ints), c.count * ints * 8))
+    return found.pop() if len(found) == 1 else None
+
+
+def _mp_op(o, pd, orig, cfg) -> tuple:
+    """(seconds, flops) of a traced op computed in ``orig`` as it runs on parameters cast to
+    ``pd``: its floating-point bytes scaled by the itemsizes (int64 inputs kept)."""
+    from ..cost_model import copy_seconds
+    c = o.charge
+    if c.dtype != orig:
+        return c.seconds, c.flops
+    scale = pd.itemsize / orig.itemsize
+    if c.name.startswith("copy_"):
+        return copy_seconds(cfg[0], cfg[1], c.name, round(c.bytes_out * scale), c.count), 0.0
+    if c.shapes is None:
+        raise ValueError(f"replay: {c.name} in module {o.module!r} was not priced from shapes "
+                         f"(engine {c.engine}); it cannot be re-priced in {pd} for mp_policy "
+                         f"(an Adaptive Eager fused kernel: trace with "
+                         f"torch_neuronx.set_adaptive_eager(False))")
+    split = _float_bytes_in(c, orig)
+    bytes_in = split[0] * pd.itemsize + split[1] if split else round(c.bytes_in * scale)
+    return _reprice(c, c.shapes, bytes_in, round(c.bytes_out * scale), cfg, dtype=pd)
+
+
 def replay_fsdp(trace, n: int, units, cfg, nodes: int, replicate: int = 1, tp: int = 1,
-                tp_plan=None) -> Replay:
+                tp_plan=None, mp_policy=None) -> Replay:
     """FSDP=n (HSDP with ``replicate`` > 1); with ``tp`` > 1 FSDP x TP as TorchTitan lays it
-    out (mesh (dp=n, tp), TP inside): TP=tp's replay, then FSDP over the TP-local parameters."""
+    out (mesh (dp=n, tp), TP inside): TP=tp's replay, then FSDP over the TP-local parameters.
+    ``mp_policy``: FSDP2's ``MixedPrecisionPolicy`` (param_dtype, reduce_dtype)."""
     from ..cost_model import copy_seconds, op_seconds
     from ..distributed.collectives_model import collective_seconds
     if units is None and n > 1:
@@ -309,6 +369,7 @@ def replay_fsdp(trace, n: int, units, cfg, nodes: int, replicate: int = 1, tp: i
     p, lnc = cfg
     covered = {fqn for fqn in trace.params
                if any(u == "" or fqn.startswith(u + ".") for u in units)}
+    mp = _mp_dtypes(trace, mp_policy, covered, tp)
     if tp > 1:
         # The mesh is (dp, tp), ranks tp-major: a TP group spans ceil(nodes / n) nodes, an
         # FSDP group one rank on each of min(n, nodes).
@@ -337,10 +398,21 @@ def replay_fsdp(trace, n: int, units, cfg, nodes: int, replicate: int = 1, tp: i
             if c.engine == "collective":
                 raise ValueError(f"replay: the traced step issued {c.name}; fsdp is replayed "
                                  f"from a step traced without collectives")
-            seconds, flops = (_optimizer_op(o, ratio, cfg, trace.params)
-                              if _is_optimizer(c.name) and ratio != 1.0 else (c.seconds, c.flops))
+            if _is_optimizer(c.name):   # on the sharded parameters, in their own dtype
+                seconds, flops = (_optimizer_op(o, ratio, cfg, trace.params) if ratio != 1.0
+                                  else (c.seconds, c.flops))
+            else:
+                seconds, flops = _mp_op(o, *mp[::2], cfg) if mp else (c.seconds, c.flops)
             out._op(c.name, o.module, o.backward, seconds, flops)
-        window = [o.charge.seconds for o in trace.ops]
+        window = [op[3] for op in out.ops]
+    input_cast = 0.0
+    if mp and getattr(mp_policy, "cast_forward_inputs", True) and "" in units:
+        # the root's pre-forward casts its floating-point inputs to param_dtype
+        for shape, dtype in trace.root_inputs:
+            if dtype.is_floating_point and dtype != mp[0]:
+                seconds = copy_seconds(p, lnc, "copy_d2d", math.prod(shape) * mp[0].itemsize)
+                input_cast += seconds
+                out._op("copy_d2d", "", False, seconds)
     gathered = {}   # unit -> (shard elements per parameter, dtype, parameter shapes)
     for unit, owned in _unit_params(params, units).items():
         if not owned:
@@ -359,10 +431,17 @@ def replay_fsdp(trace, n: int, units, cfg, nodes: int, replicate: int = 1, tp: i
 
     def all_gather(unit, bw):
         shards, dtype, _ = gathered[unit]
+        if mp and mp[0] != dtype:
+            # two list copies, recorded as one op of two launches: the cast of the shards to
+            # param_dtype, then the copy into the all-gather input
+            dtype, total = mp[0], sum(shards)
+            nbytes, launches = total * (mp[2].itemsize + 3 * mp[0].itemsize), 2
+        else:
+            dtype = mp[0] if mp else dtype
+            nbytes, launches = 2 * sum(shards) * dtype.itemsize, 1   # dst and src
         item = dtype.itemsize
-        nbytes = 2 * sum(shards) * item   # the runtime counts the list op's dst and src
         copy_in[unit] = op_seconds(p, lnc, "_foreach_copy_", [(s,) for s in shards], dtype,
-                                   nbytes, 0)[0]
+                                   nbytes, 0, launches)[0]
         out._op("_foreach_copy_", unit, bw, copy_in[unit])
         flat = n * sum(shards) * item
         out._collective("all_gather", flat, n, collective_seconds(
@@ -375,8 +454,12 @@ def replay_fsdp(trace, n: int, units, cfg, nodes: int, replicate: int = 1, tp: i
 
     def reduce_scatter(unit):
         shards, dtype, shapes = gathered[unit]
+        # the gradients come in param_dtype, are reduced in reduce_dtype
+        grad = mp[0] if mp else dtype
+        dtype = mp[1] if mp else dtype
         item = dtype.itemsize
         flat = n * sum(shards) * item
+        grads = n * sum(shards) * grad.itemsize
         for shape, s in zip(shapes, shards):
             if shape and shape[0] % n:
                 # a gradient whose dim 0 does not split evenly is padded first: a zeroed
@@ -389,7 +472,7 @@ def replay_fsdp(trace, n: int, units, cfg, nodes: int, replicate: int = 1, tp: i
         # copy-in: the gradients as (n, shard) rows into one flat input (the runtime counts
         # cat's output buffer among its inputs, as it records chunk_cat)
         out._op("cat", unit, True, op_seconds(p, lnc, "cat", [(n, s) for s in shards], dtype,
-                                              2 * flat, flat)[0])
+                                              flat + grads, flat)[0])
         out._collective("reduce_scatter", flat, n, collective_seconds(
             "reduce_scatter", flat, n, shard_nodes, p, lnc))
         if replicate > 1:
@@ -414,12 +497,13 @@ def replay_fsdp(trace, n: int, units, cfg, nodes: int, replicate: int = 1, tp: i
         reduce_scatter(u)
     if "" in gathered:
         reduce_scatter("")
-    out.overlap_seconds = _overlap(trace, window, order, copy_in, copy_out.get(""))
+    out.overlap_seconds = _overlap(trace, window, order, copy_in, copy_out.get(""), input_cast)
     out.seconds = out.device_seconds + out.collective_seconds - out.overlap_seconds
     return out
 
 
-def _overlap(trace, seconds: list, order: list, copy_in: dict, root_copy_out) -> float:
+def _overlap(trace, seconds: list, order: list, copy_in: dict, root_copy_out,
+             input_cast: float = 0.0) -> float:
     """The device time FSDP2's copy-ins hide. A unit's shards are copied in on the all-gather
     copy-in stream, and the timeline overlaps streams between host waits
     (cost_model._timeline). Most copy-ins sit between two host waits: the previous unit's
@@ -435,13 +519,15 @@ def _overlap(trace, seconds: list, order: list, copy_in: dict, root_copy_out) ->
       the root's own when the root holds parameters (it prefetches that unit), otherwise that
       unit's.
     Each overlaps its copy-in by the shorter of the two. ``seconds``: each traced op's device
-    time as the layout runs it (re-priced under TP)."""
+    time as the layout runs it (re-priced under TP or mixed precision); ``input_cast``: the
+    root's cast of its inputs (mixed precision), in the forward window when the root holds
+    no parameters (with parameters, it comes before the root's all-gather wait)."""
     ops = trace.ops
     if not order:
         return 0.0
     first, last = order[0], order[-1]
     # forward: from the start (or the root's copy-out) to the first unit's first op
-    window = root_copy_out or 0.0
+    window = root_copy_out if root_copy_out is not None else input_cast
     for o, sec in zip(ops, seconds):
         if o.module is not None and _unit_of(o.module, order + [""]) == first:
             break

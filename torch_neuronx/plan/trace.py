@@ -49,6 +49,7 @@ class StepTrace:
     linears: dict = field(default_factory=dict)
     modules: list = field(default_factory=list)
     forward_calls: dict = field(default_factory=dict)   # submodule name -> forward calls
+    root_inputs: list = field(default_factory=list)     # (shape, dtype) of the root's tensor args
 
     def replay(self, group_size: int, nodes: int = 1, profile=None, lnc: int | None = None) -> float:
         """Modelled seconds of the traced step with its collectives over ``group_size`` ranks
@@ -63,16 +64,18 @@ class StepTrace:
                       for op, nbytes, _, _, _ in self.collectives)
         return self.seconds - traced + resized
 
-    def replay_layout(self, *, fsdp: int = 1, fsdp_units=None, replicate: int = 1, tp: int = 1,
-                      tp_plan=None, dp: int = 1, nodes: int = 1, profile=None,
-                      lnc: int | None = None):
+    def replay_layout(self, *, fsdp: int = 1, fsdp_units=None, replicate: int = 1,
+                      mp_policy=None, tp: int = 1, tp_plan=None, dp: int = 1, nodes: int = 1,
+                      profile=None, lnc: int | None = None):
         """One rank's modelled step (a ``plan.replay.Replay``) when the traced step runs under
         FSDP2 over ``fsdp`` ranks (``fully_shard`` on each module named in ``fsdp_units``,
         "" for the root), tensor parallelism over ``tp`` ranks (``tp_plan``: Linear module
         name -> "colwise" | "rowwise", as ``parallelize_module``'s plan), or data parallelism
         over ``dp`` ranks, on ``nodes`` nodes. ``replicate=R`` with ``fsdp=S`` is HSDP
-        (``fully_shard`` over a (R, S) mesh: sharded over S, replicated over R; R x S ranks).
-        fsdp and tp replay a single-device step traced with ``trace(device, module)``; dp a
+        (``fully_shard`` over a (R, S) mesh: sharded over S, replicated over R; R x S ranks);
+        ``fsdp=N`` with ``tp=T`` is 2-D FSDP x TP on a (N, T) mesh (N x T ranks);
+        ``mp_policy`` is FSDP2's ``MixedPrecisionPolicy`` (param_dtype, reduce_dtype) with
+        fsdp. fsdp and tp replay a single-device step traced with ``trace(device, module)``; dp a
         DDP step traced on one rank (its collectives re-priced, as ``replay``). Other
         combinations are refused; docs/plan.md says what is charged."""
         from .. import _state
@@ -90,6 +93,9 @@ class StepTrace:
             several = " with ".join(f"{k}={v}" for k, v in degrees.items())
             raise ValueError(f"replay_layout: {several} is not replayed yet; replayed: fsdp, "
                              "tp or dp alone, fsdp with replicate (HSDP), fsdp with tp")
+        if mp_policy is not None and fsdp == 1:
+            raise ValueError("replay_layout: mp_policy is FSDP2's MixedPrecisionPolicy and "
+                             "needs fsdp > 1")
         cfg = _state.config()
         cfg = (profile or cfg.profile, lnc or cfg.lnc)
         if dp > 1:
@@ -110,10 +116,11 @@ class StepTrace:
                              "it with plan.trace(device, module)")
         if tp > 1 and fsdp == 1:
             return replay_tp(self, tp, tp_plan, cfg, nodes)
-        return replay_fsdp(self, fsdp, fsdp_units, cfg, nodes, replicate, tp, tp_plan)
+        return replay_fsdp(self, fsdp, fsdp_units, cfg, nodes, replicate, tp, tp_plan,
+                           mp_policy)
 
 
-def _tracker(flush, moved, root, calls: dict):
+def _tracker(flush, moved, root, calls: dict, root_inputs: list):
     """A ModTracker that charges the device's work to the modules it ran under: the runtime
     aggregates op records between drains, so each module boundary first drains (``flush``),
     then notes the new set of active modules (``moved``); ``calls`` counts each module's
@@ -123,6 +130,9 @@ def _tracker(flush, moved, root, calls: dict):
     class _Tracker(ModTracker):
         def _fw_pre_hook(self, mod, input):
             calls[mod] = calls.get(mod, 0) + 1
+            if mod is root and calls[mod] == 1:
+                root_inputs.extend((tuple(a.shape), a.dtype) for a in input
+                                   if isinstance(a, torch.Tensor))
             return super()._fw_pre_hook(mod, input)
 
         def _get_append_fn(self, w_mod, name, is_bw):
@@ -195,7 +205,7 @@ def trace(device=None, module: torch.nn.Module | None = None):
             where[1] = tracker.is_bw
 
         calls: dict = {}
-        tracker = _tracker(flush, moved, module, calls)
+        tracker = _tracker(flush, moved, module, calls, out.root_inputs)
         out.params = {n: (tuple(p.shape), p.dtype) for n, p in module.named_parameters()}
         out.linears = {n: (m.in_features, m.out_features) for n, m in module.named_modules()
                        if isinstance(m, torch.nn.Linear)}
