@@ -40,6 +40,12 @@ def _register() -> None:
         _C._set_memory_limit(i, cfg.hbm_bytes)
     import atexit
     atexit.register(_stop_autograd_workers)
+    # Backward runs on the thread that calls it, as on CPU: the device's ops are queued
+    # anyway, and autograd's device thread only added two hand-offs per backward and a
+    # second OpenMP team competing with this thread's for the host's cores (measured on the
+    # RSSM training step: neuron/CPU 1.36 -> 1.26 eager, 1.07 -> 1.01 compiled).
+    # Autograd's own switch, per thread: set_multithreading_enabled(True) restores it.
+    torch.autograd.set_multithreading_enabled(False)
     # Trainium's native mixed precision is bf16 (autocast's per-device default is fp16).
     torch.set_autocast_dtype("neuron", torch.bfloat16)
 
