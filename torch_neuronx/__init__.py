@@ -42,9 +42,10 @@ def _register() -> None:
     atexit.register(_stop_autograd_workers)
     # Backward runs on the thread that calls it, as on CPU: the device's ops are queued
     # anyway, and autograd's device thread only added two hand-offs per backward and a
-    # second OpenMP team competing with this thread's for the host's cores (measured on the
-    # RSSM training step: neuron/CPU 1.36 -> 1.26 eager, 1.07 -> 1.01 compiled).
-    # Autograd's own switch, per thread: set_multithreading_enabled(True) restores it.
+    # second OpenMP team competing with this thread's for the host's cores (same-process
+    # pairs, neuron/CPU: Wan eager 1.34 -> 1.19, Mixtral eager 1.50 -> 1.40, RSSM compiled
+    # 1.06 -> 1.00; bench/RESULTS.md). Autograd's own switch, per thread:
+    # set_multithreading_enabled(True) restores it.
     torch.autograd.set_multithreading_enabled(False)
     # Trainium's native mixed precision is bf16 (autocast's per-device default is fp16).
     torch.set_autocast_dtype("neuron", torch.bfloat16)
