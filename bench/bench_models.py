@@ -4,7 +4,11 @@ Per family: one fp32 training step, neuron eager / CPU eager, and with the forwa
 neuron ("neuron" backend) / CPU (Inductor); plus the modelled Trainium time of a neuron step
 and the engine that bounds it. Ratios are medians over pairs (CPU step, neuron step)
 measured back to back. Run: .venv/bin/python bench/bench_models.py [--pairs N] [--eager-only]
-[--family NAME ...]
+[--family NAME ...] [--autograd-device-thread]
+
+``--autograd-device-thread``: each pair also times the neuron step with backward on autograd's
+device thread (the behaviour before the device ran it on the calling thread), before or
+after the default one in turn, and prints that ratio too: baseline and change, same pairs.
 """
 from __future__ import annotations
 
@@ -33,22 +37,30 @@ FAMILIES = [("text_llama", "FAMILY"), ("vlm_llava", "FAMILY"), ("image_dit", "FA
             ("moe_mixtral", "FAMILY"), ("moe_mixtral", "GROUPED")]
 
 
-def _timed(step, device):
+def _timed(step, device, autograd_thread=False):
     t0 = time.perf_counter()
-    step()
+    with torch.autograd.set_multithreading_enabled(autograd_thread):
+        step()
     if device != "cpu":
         torch.accelerator.synchronize()
     return time.perf_counter() - t0
 
 
-def paired(fam, cpu_backend, dev_backend, pairs, warmup):
+def paired(fam, cpu_backend, dev_backend, pairs, warmup, baseline=False):
     _, _, _, cpu = _harness.trainer(fam, "cpu", compile_backend=cpu_backend)
     _, _, _, dev = _harness.trainer(fam, "neuron", compile_backend=dev_backend)
     for _ in range(warmup):
         cpu(), dev()
-    ratios, tc, td = [], [], []
-    for _ in range(pairs):
-        c, d = _timed(cpu, "cpu"), _timed(dev, "neuron")
+        if baseline:
+            _timed(dev, "neuron", autograd_thread=True)
+    ratios, tc, td, base = [], [], [], []
+    for i in range(pairs):
+        c = _timed(cpu, "cpu")
+        if baseline and i % 2:  # the baseline goes first in every other pair: no order bias
+            base.append(_timed(dev, "neuron", autograd_thread=True) / c)
+        d = _timed(dev, "neuron")
+        if baseline and not i % 2:
+            base.append(_timed(dev, "neuron", autograd_thread=True) / c)
         ratios.append(d / c)
         tc.append(c)
         td.append(d)
@@ -57,7 +69,8 @@ def paired(fam, cpu_backend, dev_backend, pairs, warmup):
     torch.accelerator.synchronize()
     t = torch_neuronx.modelled_time()
     bound = max(t.by_engine, key=t.by_engine.get) if t.by_engine else "-"
-    return statistics.median(ratios), statistics.median(tc), statistics.median(td), t.seconds, bound
+    return (statistics.median(ratios), statistics.median(tc), statistics.median(td), t.seconds,
+            bound, statistics.median(base) if base else None)
 
 
 def main():
@@ -65,6 +78,8 @@ def main():
     ap.add_argument("--pairs", type=int, default=7)
     ap.add_argument("--eager-only", action="store_true")
     ap.add_argument("--family", nargs="*", help="module names, e.g. image_dit")
+    ap.add_argument("--autograd-device-thread", action="store_true",
+                    help="also time backward on autograd's device thread (the baseline)")
     args = ap.parse_args()
     platform = torch_neuronx.modelled_time().platform
     print(f"{'family':36s} {'mode':9s} {'cpu ms':>9s} {'neuron ms':>10s} {'ratio':>7s} "
@@ -78,12 +93,15 @@ def main():
             modes.append(("compiled", "inductor", "neuron", 3))
         for label, cpu_b, dev_b, warm in modes:
             try:
-                r, c, d, m, bound = paired(fam, cpu_b, dev_b, args.pairs, warm)
+                r, c, d, m, bound, base = paired(fam, cpu_b, dev_b, args.pairs, warm,
+                                                 args.autograd_device_thread)
             except Exception as e:  # report and go on: one family must not hide the others
                 print(f"{fam.name:36s} {label:9s} failed: {type(e).__name__}: {str(e)[:120]}")
                 continue
             print(f"{fam.name:36s} {label:9s} {c * 1e3:9.2f} {d * 1e3:10.2f} {r:7.3f} {m * 1e3:18.3f}  "
-                  f"{bound:7s} <= 1.05", flush=True)
+                  f"{bound:7s} <= 1.05"
+                  + (f"  (autograd device thread: {base:.3f})" if base is not None else ""),
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,13 @@ def _register() -> None:
         _C._set_memory_limit(i, cfg.hbm_bytes)
     import atexit
     atexit.register(_stop_autograd_workers)
+    # Backward runs on the thread that calls it, as on CPU: the device's ops are queued
+    # anyway, and autograd's device thread only added two hand-offs per backward and a
+    # second OpenMP team competing with this thread's for the host's cores (same-process
+    # pairs, neuron/CPU: Wan eager 1.34 -> 1.19, Mixtral eager 1.50 -> 1.40, RSSM compiled
+    # 1.06 -> 1.00; bench/RESULTS.md). Autograd's own switch, per thread:
+    # set_multithreading_enabled(True) restores it.
+    torch.autograd.set_multithreading_enabled(False)
     # Trainium's native mixed precision is bf16 (autocast's per-device default is fp16).
     torch.set_autocast_dtype("neuron", torch.bfloat16)
 
