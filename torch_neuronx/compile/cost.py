@@ -339,6 +339,10 @@ def charge(device: int, phase: str, label: str, bufs, items) -> None:
             g.by_engine[e] += sec
             r.busy[e] += sec
     if rest:
+        from ..profiling import _lanes
+        # With extern calls the program spans more than this interval: no lanes then.
+        if _lanes._collectors and not eager:
+            _lanes._capture(device, "compiled_graph", [prog.events])
         cost_model._add_time(device, "compiled_graph", rest, engine="fused",
                              launches=prog.launches, hbm_bytes=prog.hbm_bytes)
 

@@ -48,6 +48,7 @@ class Program:
     hbm_bytes: int = 0
     launches: int = 1
     bound: str = ""                            # the engine (or "hbm") the time is bound by
+    events: list = field(default_factory=list)  # the Timeline's instructions (profiler lanes)
 
 
 def _tiles(nbytes: int) -> int:
@@ -162,7 +163,7 @@ class _Layout:
         else:
             bound = max(busy, key=busy.get)
         return Program(seconds=(end_ns + p.launch_overhead_ns) * 1e-9, busy=busy,
-                       hbm_bytes=int(self.hbm), bound=bound)
+                       hbm_bytes=int(self.hbm), bound=bound, events=self.tl.events)
 
 
 def _waves(items):

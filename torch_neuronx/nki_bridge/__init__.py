@@ -99,6 +99,10 @@ class TorchBridge:
         return out
 
     def kernel_ran(self, device, name: str, latency_ns: float) -> None:
+        from ..profiling import _lanes
+        if _lanes._collectors:  # a profile is recording: keep the kernel's instruction lanes
+            from nki.simulator import context
+            _lanes._capture(device.index or 0, f"nki:{name}", [tl.events for tl in context.current().timelines])
         cost_model._add_time(device, f"nki:{name}", latency_ns * 1e-9, engine="nki")
 
     def rounding(self, device):

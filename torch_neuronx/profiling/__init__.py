@@ -87,6 +87,10 @@ class NeuronProfiler:
         self._device: list = []
         self._lock = threading.Lock()
         self._count = 0
+        self._kernels: list = []  # NKI kernels' instruction rows (see _lanes)
+        from . import _lanes
+        self._lanes = _lanes
+        _lanes._collectors.append(self._kernels)
         cost_model._drain()  # work queued before profiling is not this trace's
         cost_model._listeners.append(self._on_interval)
 
@@ -101,6 +105,8 @@ class NeuronProfiler:
             self._device.append(iv)
 
     def close(self) -> None:
+        if self._kernels in self._lanes._collectors:
+            self._lanes._collectors.remove(self._kernels)
         if self._on_interval in self._cost_model._listeners:
             self._cost_model._listeners.remove(self._on_interval)
 
@@ -114,6 +120,7 @@ class NeuronProfiler:
         self._count += 1
         with self._lock:
             device, self._device = self._device, []
+            kernels, self._kernels[:] = list(self._kernels), []
         path = os.path.join(out, f"trace_{n}")
         from ._parquet import export_parquet
         file = os.path.join(out, f"trace_{n}.json")
@@ -121,7 +128,9 @@ class NeuronProfiler:
         table = export_parquet(path, host_events=prof.events(), device_events=device,
                                kernel_meta=_kernel_args(trace), cores=self.config.cores,
                                max_per_device=self.config.max_events_per_nc, trace=trace)
-        _add_lanes(trace, table, file)
+        from ._parquet import instructions_table, pq
+        rows = _add_lanes(trace, table, file, kernels)
+        pq.write_table(instructions_table(rows), os.path.join(path, "DeviceInstructions.parquet"))
         return path
 
 
@@ -152,10 +161,11 @@ def kernel_metadata(prof) -> dict:
 _ENGINE_LANES = {"nki": 1000, "fused": 1001, "collective": 1002}
 
 
-def _add_lanes(trace: dict, table, file: str) -> None:
+def _add_lanes(trace: dict, table, file: str, kernels=()) -> list:
     """Kineto's chrome trace (with the plugin's ``kernel`` events, host execution time) plus
     the modelled Trainium timeline: one process per device, one thread per queue (and per
-    engine for NKI kernels, compiled graphs and collectives). Modelled events have
+    engine for NKI kernels, compiled graphs and collectives, and per TensorE/VectorE/ScalarE/
+    GpSimd/DMA queue for NKI kernels' instructions). Returns the DeviceInstructions rows. Modelled events have
     ``cat: "modelled_kernel"`` and ``args.queue`` (not ``stream``), so tools that read device
     kernels by stream (Holistic Trace Analysis) count each kernel once."""
     import json
@@ -166,6 +176,7 @@ def _add_lanes(trace: dict, table, file: str) -> None:
     origin = min(host_ts) if host_ts else 0.0
     hw = table.filter(pa_compute.equal(table["source"], "hardware")).to_pydict()
     lanes = set()
+    nki_rows = []
     for d, q, eng, name, start, dur, corr in zip(hw["device"], hw["queue"], hw["engine"],
                                                  hw["name"], hw["modelled_start_ns"],
                                                  hw["modelled_ns"], hw["correlation_id"]):
@@ -175,6 +186,12 @@ def _add_lanes(trace: dict, table, file: str) -> None:
                        "tid": tid, "ts": origin + start / 1e3, "dur": dur / 1e3,
                        "args": {"queue": q, "device": d, "engine": eng, "modelled_ns": dur,
                                 "External id": corr}})
+        if eng in ("nki", "fused"):
+            nki_rows.append((d, name, start, corr))
+    from ._lanes import _trace_events
+    inner, inner_lanes, rows = _trace_events(nki_rows, kernels, origin)
+    events.extend(inner)
+    lanes |= inner_lanes
     for d in sorted({lane[0] for lane in lanes}):
         events.append({"ph": "M", "name": "process_name", "pid": 1000 + d,
                        "args": {"name": f"neuron:{d} modelled Trainium time"}})
@@ -183,6 +200,7 @@ def _add_lanes(trace: dict, table, file: str) -> None:
                        "args": {"name": label}})
     with open(file, "w") as f:
         json.dump(trace, f)
+    return rows
 
 
 

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from torch.autograd import DeviceType
 
-PROFILE_SCHEMA_VERSION = "1.2.0"
+PROFILE_SCHEMA_VERSION = "1.3.0"
 
 # The Kineto plugin's host-side event for each kernel (csrc/profiler/kineto_plugin.cpp).
 RUNTIME_EVENT = "neuronLaunchKernel"
@@ -42,6 +42,15 @@ SCHEMA = {
         ("bytes", pa.int64(), "block size: positive for an allocation, negative for a free"),
         ("total_allocated", pa.int64(), "bytes allocated on the device after this event (the allocator's allocated_bytes.all.current)"),
         ("total_reserved", pa.int64(), "bytes the allocator holds from the device after this event (reserved_bytes.all.current)"),
+    ],
+    "DeviceInstructions": [
+        ("correlation_id", pa.int64(), "correlation_id of the kernel's hardware event in SystemProfileEvents"),
+        ("device", pa.int32(), "neuron device index"),
+        ("kernel", pa.string(), "kernel name (nki:<function>)"),
+        ("engine", pa.string(), "TensorE, VectorE, ScalarE, GpSimd or DMA qN (suffixed ' (core N)' past a kernel's first core)"),
+        ("name", pa.string(), "ISA instruction name"),
+        ("start_ns", pa.int64(), "start on the modelled Trainium timeline (modelled_start_ns's clock)"),
+        ("duration_ns", pa.int64(), "modelled duration"),
     ],
     "Metadata": [
         ("key", pa.string(), "metadata key (profile_schema_version, event counts, hardware_source)"),
@@ -255,6 +264,16 @@ def _trace_origin(events, host_events) -> float:
             return e["ts"] - starts[key] + min(starts.values())
     host_ts = [e["ts"] for e in events if e.get("ph") == "X" and e.get("cat") != "kernel"]
     return min(host_ts) if host_ts else 0.0
+
+
+def instructions_table(rows) -> pa.Table:
+    """DeviceInstructions from ``(correlation_id, device, kernel, engine, name, start_ns,
+    duration_ns)`` rows."""
+    cols = list(zip(*rows)) if rows else [()] * 7
+    return _table("DeviceInstructions", {
+        c: (np.asarray(v, dtype=np.int64) if ty == pa.int64() else
+            np.asarray(v, dtype=np.int32) if ty == pa.int32() else list(v))
+        for (c, ty, _), v in zip(SCHEMA["DeviceInstructions"], cols)})
 
 
 def export_parquet(path: str, host_events=(), device_events=(), kernel_meta=None, cores=None,

@@ -62,7 +62,25 @@ def report(path: str, top: int = 10) -> dict:
         **communication(hw, _union, _overlap, top),
         **_timeline_analysis(traced, host, top),
         "device_memory": _memory(path),
+        "engine_utilisation": _engine_utilisation(path, hw),
     }
+
+
+def _engine_utilisation(path: str, hw) -> dict:
+    """Per kernel with instruction rows: each engine's busy time (DeviceInstructions) over the
+    kernel's modelled time (its hardware events in SystemProfileEvents, as top_kernels)."""
+    f = os.path.join(path, "DeviceInstructions.parquet")
+    if not os.path.exists(f):  # traces exported before schema 1.3.0
+        return {}
+    ins = pq.read_table(f).to_pandas()
+    out = {}
+    for kernel, g in ins.groupby("kernel"):
+        # (uncorrelated profiles' rows all have correlation_id -1: the name tells them apart)
+        k = hw[(hw.name == kernel) & hw.correlation_id.isin(set(g.correlation_id))]
+        total = int(k.modelled_ns.sum())
+        if total > 0:
+            out[kernel] = {e: float(v) / total for e, v in g.groupby("engine").duration_ns.sum().items()}
+    return out
 
 
 def _memory(path: str) -> dict:
@@ -188,6 +206,9 @@ def format_text(r: dict) -> str:
         for g in r["idle_gaps"][:5]:
             out.append(f"  idle {g['idle_ns'] / 1e3:.1f} us on neuron:{g['device']} before "
                        f"{g['next_kernel']} ({g['file']}:{g['line']})")
+    for kernel, util in r["engine_utilisation"].items():
+        out.append(f"{kernel} engine utilisation: " + ", ".join(
+            f"{e} {100 * u:.0f}%" for e, u in sorted(util.items(), key=lambda x: -x[1])))
     for d, m in r["device_memory"].items():
         out.append(f"neuron:{d} memory: peak {m['peak_allocated'] / 2**20:.2f} MiB allocated, "
                    f"{m['peak_reserved'] / 2**20:.2f} MiB reserved ({m['events']} allocator events)")

@@ -1,0 +1,148 @@
+import json
+import os
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import torch_neuronx
+from nki.examples.matmul import matmul_basic
+from nki.simulator import runner
+from torch_neuronx.profiling import NeuronConfig, NeuronProfiler, _lanes
+from torch_neuronx.profiling.explore import report
+
+_ENGINE_OF = {"TensorE": "tensor", "VectorE": "vector", "ScalarE": "scalar", "GpSimd": "gpsimd"}
+
+
+def _operands(device):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(128, 128, generator=g).to(device),
+            torch.randn(128, 512, generator=g).to(device))
+
+
+def _profile(tmp_path, fn, activities):
+    cfg = NeuronConfig(profile_output_dir=str(tmp_path))
+    handler = NeuronProfiler(cfg)
+    try:
+        with torch.profiler.profile(activities=activities, experimental_config=cfg,
+                                    on_trace_ready=handler.export_trace):
+            fn()
+            torch.neuron.synchronize()
+    finally:
+        handler.close()
+    with open(os.path.join(str(tmp_path), "trace_0.json")) as f:
+        return json.load(f)["traceEvents"]
+
+
+def _reference():
+    """The simulator's own timeline of the kernel on NumPy inputs (no torch, no profiler)."""
+    a, b = (t.numpy() for t in _operands("cpu"))
+    _, sim = runner.run(matmul_basic.func, (a, b), {}, timing=True)
+    return sim.timelines[0]
+
+
+@pytest.mark.parametrize("activities", [
+    [torch.profiler.ProfilerActivity.CPU],
+    [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.PrivateUse1]],
+    ids=["cpu", "privateuse1"])
+def test_nki_kernel_lanes_nest_in_its_interval_and_match_simulator(tmp_path, activities):
+    a, b = _operands("neuron")
+    events = _profile(tmp_path, lambda: matmul_basic(a, b), activities)
+    kernels = [e for e in events if e.get("cat") == "modelled_kernel"
+               and e["name"] == "nki:matmul_basic"]
+    assert len(kernels) == 1
+    k = kernels[0]
+    inst = [e for e in events if e.get("cat") == "modelled_instruction"]
+    assert inst and all(e["args"]["kernel"] == "nki:matmul_basic" for e in inst)
+    eps = 1e-3  # microsecond float rounding
+    for e in inst:
+        assert e["pid"] == k["pid"]
+        assert k["ts"] - eps <= e["ts"] and e["ts"] + e["dur"] <= k["ts"] + k["dur"] + eps
+    names = {e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e["name"] == "thread_name" and e["pid"] == k["pid"]}
+    lanes = {e["args"]["engine"] for e in inst}
+    assert lanes <= names
+    assert "TensorE" in lanes and any(n.startswith("DMA q") for n in lanes)
+    tl = _reference()
+    for lane, eng in _ENGINE_OF.items():
+        got = sum(e["dur"] for e in inst if e["args"]["engine"] == lane) * 1e3
+        assert got == pytest.approx(tl.busy[eng], rel=1e-6, abs=1e-3)
+    # Same instructions (ISA names) on the same lanes at the same offsets from the kernel start.
+    want = sorted((lane, name, round(s, 1), round(d, 1)) for name, lane, s, d, _ in tl.events)
+    got = sorted((_lanes._ENGINE_OF_LABEL[e["args"]["engine"]] if e["args"]["engine"] in
+                  _lanes._ENGINE_OF_LABEL else "dma" + e["args"]["engine"][5:], e["name"],
+                  round((e["ts"] - k["ts"]) * 1e3, 1), round(e["dur"] * 1e3, 1)) for e in inst)
+    assert [g[:2] for g in got] == [w[:2] for w in want]
+    np.testing.assert_allclose([g[2:] for g in got], [w[2:] for w in want], atol=0.5)
+    _check_parquet(os.path.join(str(tmp_path), "trace_0"), tl, k)
+
+
+def _check_parquet(path, tl, k):
+    ins = pq.read_table(os.path.join(path, "DeviceInstructions.parquet")).to_pandas()
+    ev = pq.read_table(os.path.join(path, "SystemProfileEvents.parquet")).to_pandas()
+    hw = ev[(ev.source == "hardware") & (ev.name == "nki:matmul_basic")]
+    assert len(hw) == 1 and len(ins) == len(tl.events)
+    assert set(ins.correlation_id) == {int(hw.correlation_id.iloc[0])}
+    assert set(ins.kernel) == {"nki:matmul_basic"}
+    start, dur = int(hw.modelled_start_ns.iloc[0]), int(hw.modelled_ns.iloc[0])
+    assert (ins.start_ns >= start - 1).all() and (ins.start_ns + ins.duration_ns <= start + dur + 1).all()
+    assert ins[ins.engine == "TensorE"].duration_ns.sum() == pytest.approx(tl.busy["tensor"], abs=len(ins))
+    util = report(path)["engine_utilisation"]["nki:matmul_basic"]
+    assert util["TensorE"] == pytest.approx(tl.busy["tensor"] / dur, rel=1e-2)
+    assert util["VectorE"] == pytest.approx(tl.busy["vector"] / dur, rel=1e-2)
+
+
+def test_compiled_graph_with_extern_call_has_no_lanes(tmp_path):
+    g = torch.compile(lambda x, w: torch.relu(x @ w) * 2, backend="neuron")
+    x, w = _operands("neuron")
+    g(x, w)
+    events = _profile(tmp_path, lambda: g(x, w), [torch.profiler.ProfilerActivity.CPU])
+    assert not [e for e in events if e.get("cat") == "modelled_instruction"]
+
+
+def test_no_instruction_rows_without_profiler():
+    assert _lanes._collectors == []
+    a, b = _operands("neuron")
+    out = matmul_basic(a, b)
+    torch.neuron.synchronize()
+    assert _lanes._collectors == []
+    ref = a.cpu().T @ b.cpu()
+    np.testing.assert_allclose(out.cpu().numpy(), ref.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_instruction_cap(tmp_path, monkeypatch):
+    monkeypatch.setattr(_lanes, "MAX_INSTRUCTIONS_PER_KERNEL", 5)
+    a, b = _operands("neuron")
+    events = _profile(tmp_path, lambda: matmul_basic(a, b), [torch.profiler.ProfilerActivity.CPU])
+    assert len([e for e in events if e.get("cat") == "modelled_instruction"]) == 5
+
+
+def test_compiled_graph_lanes_nest_and_match_program_busy(tmp_path):
+    from torch_neuronx.compile import cost
+
+    def f(x, w):  # elementwise + reduction only: no extern (eager) call inside the graph
+        return (torch.relu(x * w).exp() * 2).sum(dim=1)
+
+    g = torch.compile(f, backend="neuron")
+    x, w = _operands("neuron")
+    w = w[:, :128].contiguous() * 0.1
+    g(x, w)  # compile outside the profile
+    torch.neuron.synchronize()
+    dev = x.device.index or 0
+    cost.modelled_graph_time(dev, reset=True)
+    events = _profile(tmp_path, lambda: g(x, w), [torch.profiler.ProfilerActivity.CPU])
+    busy = dict(cost.modelled_graph_time(dev).by_engine)  # (a live dict)
+    ref = f(x.cpu(), w.cpu())
+    torch.testing.assert_close(g(x, w).cpu(), ref)
+    graphs = [e for e in events if e.get("cat") == "modelled_kernel" and e["name"] == "compiled_graph"]
+    assert len(graphs) == 1
+    k = graphs[0]
+    inst = [e for e in events if e.get("cat") == "modelled_instruction"]
+    assert inst and all(e["args"]["kernel"] == "compiled_graph" for e in inst)
+    for e in inst:
+        assert k["ts"] - 1e-3 <= e["ts"] and e["ts"] + e["dur"] <= k["ts"] + k["dur"] + 1e-3
+    for lane, eng in _ENGINE_OF.items():
+        got = sum(e["dur"] for e in inst if e["args"]["engine"] == lane) * 1e-6
+        assert got == pytest.approx(busy[eng], rel=1e-6, abs=1e-12)
+    assert sum(busy[e] for e in _ENGINE_OF.values()) > 0
