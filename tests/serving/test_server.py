@@ -1,4 +1,5 @@
 """vLLM's OpenAI-compatible server on neuron, driven over HTTP on 127.0.0.1."""
+import contextlib
 import json
 import os
 import socket
@@ -22,8 +23,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(llama_dir, tmp_path_factory):
+@contextlib.contextmanager
+def launch(llama_dir, tmp_path_factory, *extra):
+    """vLLM's OpenAI server on the tiny model at 127.0.0.1 (``extra``: more CLI arguments);
+    yields (url, log file) once /health answers."""
     port = free_port()
     prom = tmp_path_factory.mktemp("prometheus")
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(prom),
@@ -33,7 +36,7 @@ def server(llama_dir, tmp_path_factory):
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(llama_dir),
          "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
          "--dtype", "float32", "--max-model-len", str(MAX_LEN), "--max-num-seqs", "8",
-         "--kv-cache-memory-bytes", str(32 << 20), "--seed", "0"],
+         "--kv-cache-memory-bytes", str(32 << 20), "--seed", "0", *extra],
         stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240
@@ -49,14 +52,22 @@ def server(llama_dir, tmp_path_factory):
             log.seek(0)
             pytest.fail(f"vLLM server did not start (exit {proc.poll()}):\n{log.read()[-4000:]}")
         time.sleep(0.5)
-    yield url, log
-    proc.terminate()
     try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    log.close()
+        yield url, log
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir, tmp_path_factory):
+    with launch(llama_dir, tmp_path_factory) as got:
+        yield got
 
 
 def post(url, path, body, raw=False):
