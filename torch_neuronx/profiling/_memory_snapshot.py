@@ -69,25 +69,38 @@ def write(path: str, out_dir: str) -> str | None:
 _PY_EVENT = re.compile(r"\(\d+\): |^<built-in ")
 
 
+# Memory events and op events come from two clocks, reconciled through matched ops
+# (_parquet._trace_origin): an event that lands outside every op by less than this is the
+# nearest op's (an allocation happens inside an op; a miss of that size is the clocks').
+_NEAREST_NS = 1_000_000
+
+
 def _op_frames(ops, times: np.ndarray) -> list:
-    """Per time: [frame of the innermost host op running then] ([] outside every op)."""
+    """Per time: [frame of the innermost host op running then] (of the nearest op within
+    _NEAREST_NS when none runs then; [] beyond)."""
     ops = ops[(ops.duration_ns >= 0) & ~ops.name.str.contains(_PY_EVENT)].sort_values("start_ns")
     start = ops.start_ns.to_numpy()
     end = start + ops.duration_ns.to_numpy()
     # Ops before index j end no later than reach[j]: the walk back stops there.
     reach = np.maximum.accumulate(end) if len(end) else end
     names, files, lines = ops.name.to_numpy(), ops.source_file.to_numpy(), ops.source_line.to_numpy()
+    def frame(j):
+        has_line = lines[j] >= 0
+        return [{"filename": files[j] if has_line else "<host op>",
+                 "line": int(lines[j]) if has_line else 0, "name": names[j]}]
     out = []
     for t in times:
         j = int(np.searchsorted(start, t, side="right")) - 1
-        frame = []
+        found = None
         # The innermost op running at t is the latest-starting one still running.
         while j >= 0 and reach[j] >= t:
             if end[j] >= t:
-                has_line = lines[j] >= 0
-                frame = [{"filename": files[j] if has_line else "<host op>",
-                          "line": int(lines[j]) if has_line else 0, "name": names[j]}]
+                found = j
                 break
             j -= 1
-        out.append(frame)
+        if found is None and len(start):
+            gap = np.maximum(start - t, t - end)   # distance to each op's interval
+            k = int(np.argmin(gap))
+            found = k if gap[k] <= _NEAREST_NS else None
+        out.append(frame(found) if found is not None else [])
     return out

@@ -253,15 +253,17 @@ def memory_table(trace: dict, host_events=()) -> pa.Table:
 def _trace_origin(events, host_events) -> float:
     """The chrome trace's ts (us) of start_ns 0 (the first framework event's start). The two
     clocks differ by more than their first events (the chrome trace may start with events
-    torch.profiler leaves out of its FunctionEvents): an op's ts minus its FunctionEvent start,
-    matched by id (the chrome event's "External id") and name. Without ops, the first host
+    torch.profiler leaves out of its FunctionEvents): the median over ops of an op's ts minus
+    its FunctionEvent start, matched by id (the chrome event's "External id") and name. Without ops, the first host
     event of the chrome trace."""
     framework = [e for e in host_events if _is_framework(e)]
     starts = {(e.id, e.name): e.time_range.start for e in framework}
-    for e in events:
-        key = (e.get("args", {}).get("External id"), e.get("name"))
-        if e.get("ph") == "X" and e.get("cat") == "cpu_op" and key in starts:
-            return e["ts"] - starts[key] + min(starts.values())
+    # Every matched op gives the offset; the median is robust to a pair matched wrongly.
+    offsets = [e["ts"] - starts[key] for e in events
+               if e.get("ph") == "X" and e.get("cat") == "cpu_op"
+               and (key := (e.get("args", {}).get("External id"), e.get("name"))) in starts]
+    if offsets:
+        return float(np.median(offsets)) + min(starts.values())
     host_ts = [e["ts"] for e in events if e.get("ph") == "X" and e.get("cat") != "kernel"]
     return min(host_ts) if host_ts else 0.0
 
