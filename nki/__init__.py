@@ -14,13 +14,13 @@ from . import errors  # noqa: F401
 from .errors import NkiError, NkiRuleError  # noqa: F401
 
 __version__ = "0.7.0"
-__all__ = ["jit", "simulate", "cpu_simulate", "benchmark", "profile", "language", "isa", "typing", "errors",
+__all__ = ["jit", "simulate", "cpu_simulate", "benchmark", "profile", "language", "isa", "lnc", "typing", "errors",
            "Kernel", "BenchmarkResult", "NkiError", "NkiRuleError"]
 
 # The language, the instructions and the runner load on first use: a program that only needs
 # the engine timeline (nki.simulator.timing, as torch's compiled-graph cost does) does not pay
 # for the dtype tables (ml_dtypes: ~0.5 s).
-_SUBMODULES = {"isa", "language", "typing"}
+_SUBMODULES = {"isa", "language", "lnc", "typing"}
 _RUNNER = {"BenchmarkResult", "Kernel", "benchmark", "cpu_simulate", "jit", "profile", "simulate"}
 
 

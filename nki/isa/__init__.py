@@ -7,7 +7,10 @@ cycles; clocks and fixed latencies come from the hardware profile. One module pe
 """
 from __future__ import annotations
 
+import warnings
+
 from .. import errors as E
+from .. import lnc
 from ..simulator import context as _ctx
 from ._dma import dma_compute, dma_copy, dma_transpose  # noqa: F401
 from ._gpsimd import (  # noqa: F401
@@ -68,19 +71,32 @@ def get_nc_version():
     return nc_version[_ctx.current().profile.nki_target]
 
 
-# Multi-core instructions: LNC=2 programs run one after the other here, so a barrier or an
-# exchange between two of them cannot be simulated.
-_MISSING = {"core_barrier": "it synchronises the NeuronCores of an LNC=2 kernel, and this "
-                            "simulator runs a kernel's programs one after another",
-            "sendrecv": "it exchanges tiles between the NeuronCores of an LNC=2 kernel, and this "
-                        "simulator runs a kernel's programs one after another"}
+# The LNC instructions moved to nki.lnc; AWS keeps these names as deprecated wrappers.
+def _deprecated(name):
+    warnings.warn(f"nki.isa.{name} is deprecated; use nki.lnc.{name}", DeprecationWarning, stacklevel=3)
+
+
+def core_barrier(data, cores, engine=engine.gpsimd, name=None):
+    _deprecated("core_barrier")
+    return lnc.core_barrier(data, cores, engine=engine, name=name)
+
+
+def sendrecv(src, dst, send_to_rank, recv_from_rank, pipe_id=None, dma_engine=dma_engine.dma, name=None):
+    """``pipe_id`` is ignored, as AWS's wrapper ignores it."""
+    _deprecated("sendrecv")
+    return lnc.sendrecv(src, dst, send_to_rank, recv_from_rank, dma_engine=dma_engine, name=name)
+
+
+def sendrecv_compute(src, dst, send_to_rank, recv_from_rank, reduce_op, name=None):
+    _deprecated("sendrecv_compute")
+    return lnc.sendrecv_compute(src, dst, send_to_rank, recv_from_rank, reduce_op, name=name)
+
+
 # Removed by AWS in NKI 0.4.0.
 _REMOVED = {"tensor_copy_dynamic_src", "tensor_copy_dynamic_dst"}
 
 
 def __getattr__(name):
-    if name in _MISSING:
-        raise E.UnsupportedError(f"nki.isa.{name} is not implemented in this NKI simulator: {_MISSING[name]}")
     if name in _REMOVED:
         raise E.UnsupportedError(f"nki.isa.{name} was removed in NKI 0.4.0; use nisa.tensor_copy with "
                                  f"an access pattern (.ap) instead")

@@ -31,8 +31,7 @@ class Sim:
         self.profile = p = get_profile(target)
         self.target = p.name
         self.pmax = p.partitions
-        self.sbuf = Allocator("sbuf", p.sbuf_partition_bytes)
-        self.psum = Allocator("psum", p.psum_partition_bytes, bank_bytes=p.psum_bank_bytes)
+        self.sbuf, self.psum = self.core_memory()
         self.timing = timing
         self.ncores = max(1, p.default_lnc)
         self.timelines = [Timeline(p, c) for c in range(self.ncores)] if timing else []
@@ -48,12 +47,24 @@ class Sim:
         self.device = None              # their device
         self.device_outputs = False     # HBM outputs are allocated as tensors on that device
         self.in_run = False             # set by runner.run, which drains queued GEMMs
+        self.k = 0                      # the running program's index in the grid
+        self.lnc = None                 # the core pair of an LNC=2 round, once it communicates
+        self.run_program = None         # runner's: run program k of the grid (lnc.py starts core 1)
+
+    def core_memory(self):
+        """A physical core's empty SBUF and PSUM."""
+        p = self.profile
+        return (Allocator("sbuf", p.sbuf_partition_bytes),
+                Allocator("psum", p.psum_partition_bytes, bank_bytes=p.psum_bank_bytes))
 
     # -- allocation ----------------------------------------------------------------
     def alloc(self, shape, dtype: DType, kind: str, name=None, fill="nan") -> NkiTensor:
         shape = tuple(int(s) for s in shape)
         name = name or f"{kind}_{new_id()}"
-        if kind in ("shared_hbm", "hbm") and self.grid and self.pid != (0,) * len(self.pid):
+        # The programs of a grid share its HBM outputs: the n-th one a program allocates is
+        # the n-th of the first program that allocated it (the cores of an LNC=2 pair may
+        # interleave, see lnc.py).
+        if kind in ("shared_hbm", "hbm") and self.grid:
             if self.shared_i < len(self.shared):
                 buf = self.shared[self.shared_i]
                 self.shared_i += 1
@@ -98,7 +109,7 @@ class Sim:
         return NkiTensor(buf, store)
 
     # -- instruction issue -----------------------------------------------------------
-    def compute(self, name, engine, cycles, reads=(), writes=()):
+    def compute(self, name, engine, cycles, reads=(), writes=(), not_before=0.0):
         self.count += 1
         if name != "nc_matmul" and _touches_busy(reads, writes):
             drain()             # queued GEMMs finish before anything touches their tiles
@@ -107,9 +118,10 @@ class Sim:
         for w in writes:
             w.buf.written = True
         if self.timing:
-            self.tl.compute(name, engine, cycles, [t.box() for t in reads], [t.box() for t in writes])
+            self.tl.compute(name, engine, cycles, [t.box() for t in reads], [t.box() for t in writes],
+                            not_before=not_before)
 
-    def dma(self, name, dst, src, efficiency=1.0):
+    def dma(self, name, dst, src, efficiency=1.0, not_before=0.0):
         self.count += 1
         if _touches_busy((src,), (dst,)):
             drain()
@@ -122,7 +134,7 @@ class Sim:
             rows = onchip.shape[0] if onchip.kind != "hbm" else math.prod(dst.shape[:-1]) or 1
             row_bytes = max(1, nbytes // max(rows, 1))
             self.tl.dma(name, nbytes, rows, row_bytes, "hbm" in (dst.kind, src.kind),
-                        [src.box()], [dst.box()], efficiency)
+                        [src.box()], [dst.box()], efficiency, not_before=not_before)
 
     def ns(self, engine, cycles):
         return self.tl.compute_ns(engine, cycles) if self.tl else 0.0

@@ -67,6 +67,16 @@ class Timeline:
                             ready = t
         return ready
 
+    def earliest(self, engine, reads, writes, rows=1):
+        """When an instruction on ``engine`` (``"dma"``: a DMA of ``rows`` rows) could start
+        on this core: its engine or queues free, its data ready."""
+        if engine == "dma":
+            k = max(1, min(self.p.dma_queues_per_instruction, len(self.queues), rows))
+            free = sorted(self.queues)[k - 1]
+        else:
+            free = self.free[engine]
+        return max(free, self._ready(engine, reads, writes))
+
     def _record(self, engine, reads, writes, end):
         for space, b in reads:
             lst = self.regions.setdefault(space, [])
@@ -82,9 +92,9 @@ class Timeline:
             lst[:] = [e for e in lst if not _contains(b, e[0])]
             lst.append([b, end, engine, 0.0, None])
 
-    def compute(self, name, engine, cycles, reads, writes, args=None):
+    def compute(self, name, engine, cycles, reads, writes, args=None, not_before=0.0):
         dur = self.compute_ns(engine, cycles)
-        start = max(self.free[engine], self._ready(engine, reads, writes))
+        start = max(self.free[engine], self._ready(engine, reads, writes), not_before)
         end = start + dur
         self.free[engine] = end
         self.busy[engine] += dur
@@ -93,13 +103,14 @@ class Timeline:
         self.end = max(self.end, end)
         return end
 
-    def dma(self, name, nbytes, rows, row_bytes, touches_hbm, reads, writes, efficiency=1.0, args=None):
+    def dma(self, name, nbytes, rows, row_bytes, touches_hbm, reads, writes, efficiency=1.0, args=None,
+            not_before=0.0):
         """A DMA instruction's descriptors spread over up to ``dma_queues`` queues (one run
         of rows each); it starts when all of them are free and its data is ready."""
         p = self.p
         k = max(1, min(p.dma_queues_per_instruction, len(self.queues), rows))
         order = sorted(range(len(self.queues)), key=self.queues.__getitem__)[:k]
-        start = max(self.queues[order[-1]], self._ready("dma", reads, writes))
+        start = max(self.queues[order[-1]], self._ready("dma", reads, writes), not_before)
         # Each contiguous row carries a fixed cost; rows of >= ~2 KiB approach peak.
         eff = efficiency * row_bytes / (row_bytes + p.dma_row_overhead_bytes)
         rate = k * p.dma_queue_bytes_per_ns * max(eff, 1e-3)

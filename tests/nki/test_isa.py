@@ -346,8 +346,8 @@ def test_language_ops_match_numpy():
 
 def test_missing_instruction_is_named():
     import nki.errors
-    with pytest.raises(NotImplementedError, match="nki.isa.core_barrier"):
-        nisa.core_barrier
+    with pytest.raises(NotImplementedError, match="nki.isa.tensor_copy_dynamic_src"):
+        nisa.tensor_copy_dynamic_src
     with pytest.raises(nki.errors.UnsupportedError, match="atomic_rmw"):
         nl.atomic_rmw
 

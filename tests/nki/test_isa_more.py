@@ -788,8 +788,7 @@ def test_dma_compute_rules(kw, err, match):
 # What stays missing says why.
 
 
-@pytest.mark.parametrize("name,match", [("core_barrier", "LNC=2"), ("sendrecv", "LNC=2"),
-                                        ("tensor_copy_dynamic_src", "removed in NKI 0.4.0"),
+@pytest.mark.parametrize("name,match", [("tensor_copy_dynamic_src", "removed in NKI 0.4.0"),
                                         ("tensor_copy_dynamic_dst", "removed in NKI 0.4.0")])
 def test_unsupported_instructions_say_why(name, match):
     with pytest.raises(E.UnsupportedError, match=f"nki.isa.{name}.*{match}"):

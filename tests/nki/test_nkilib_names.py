@@ -33,7 +33,6 @@ ISA = [
     "tensor_copy_predicated", "tensor_partition_reduce", "tensor_reduce", "tensor_scalar",
     "tensor_scalar_reduce", "tensor_tensor", "tensor_tensor_scan", "vector_engine",
 ]
-MULTI_CORE = {"core_barrier", "sendrecv"}
 
 
 @pytest.mark.parametrize("name", LANGUAGE)
@@ -43,10 +42,6 @@ def test_language_name_exists(name):
 
 @pytest.mark.parametrize("name", ISA)
 def test_isa_name_exists(name):
-    if name in MULTI_CORE:
-        with pytest.raises(nki.errors.UnsupportedError, match="two NeuronCores|NeuronCores"):
-            getattr(nisa, name)
-        return
     assert getattr(nisa, name) is not None
 
 
