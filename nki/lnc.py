@@ -10,6 +10,7 @@ import numpy as np
 
 from . import errors as E
 from .isa._common import _ENG, _T, _put
+from .isa._instruction import issued
 from .isa.constants import dma_engine, engine
 from .simulator import context as _ctx
 from .simulator import lnc as _lnc
@@ -81,6 +82,7 @@ def _dma_timing(sim, pair, slot, instr):
                    [src.box()], [dst.box()], not_before=start)
 
 
+@issued
 def core_barrier(data, cores, engine=engine.gpsimd, name=None):
     """Core 0 and core 1 wait for each other here: each core's earlier writes to ``data``
     (shared HBM) are complete before either core reads it after the barrier."""
@@ -142,6 +144,7 @@ def _exchange(I, src, dst, send_to_rank, recv_from_rank, reduce=None):
     pair.meet(rank, I, (src, dst), complete)
 
 
+@issued
 def sendrecv(src, dst, send_to_rank, recv_from_rank, dma_engine=dma_engine.dma, name=None, priority=None):
     """Send ``src`` to the peer core's ``dst`` while receiving the peer's ``src`` into this
     core's ``dst`` (SBUF or HBM). The n-th sendrecv of one core pairs with the peer's n-th."""
@@ -151,6 +154,7 @@ def sendrecv(src, dst, send_to_rank, recv_from_rank, dma_engine=dma_engine.dma, 
     _exchange(I, src, dst, send_to_rank, recv_from_rank)
 
 
+@issued
 def sendrecv_compute(src, dst, send_to_rank, recv_from_rank, reduce_op, name=None, priority=None):
     """Exchange ``src`` with the peer core and write ``reduce_op(src, peer's src)`` to ``dst``
     (``nl.add``, ``nl.maximum`` or ``nl.minimum``, computed in float32 by the DMA engines)."""

@@ -12,6 +12,7 @@ import warnings
 from .. import errors as E
 from .. import lnc
 from ..simulator import context as _ctx
+from ._instruction import NkiInstruction, issued  # noqa: F401
 from ._dma import dma_compute, dma_copy, dma_transpose  # noqa: F401
 from ._gpsimd import (  # noqa: F401
     affine_select,
@@ -91,6 +92,19 @@ def sendrecv_compute(src, dst, send_to_rank, recv_from_rank, reduce_op, name=Non
     _deprecated("sendrecv_compute")
     return lnc.sendrecv_compute(src, dst, send_to_rank, recv_from_rank, reduce_op, name=name)
 
+
+# Every operation returns the handle of what it issued (AWS: explicit scheduling edges).
+for _name in ("dma_copy", "dma_transpose", "dma_compute", "iota", "affine_select", "select_reduce",
+              "range_select", "local_gather", "dropout", "rng", "set_rng_seed", "nc_n_gather", "topk",
+              "sequence_bounds", "nonzero_with_count", "rand_set_state", "rand_get_state", "rand2",
+              "register_load", "register_store", "register_move", "activation", "activation_reduce",
+              "activate2", "bn_stats", "bn_aggr", "max8", "nc_find_index8", "nc_match_replace8",
+              "nc_matmul", "nc_matmul_mx", "nc_transpose", "tensor_tensor", "tensor_tensor_scan",
+              "tensor_scalar", "scalar_tensor_tensor", "tensor_scalar_reduce", "tensor_reduce",
+              "tensor_partition_reduce", "tensor_copy", "tensor_copy_predicated", "memset", "reciprocal",
+              "exponential", "tensor_scalar_cumulative", "nc_stream_shuffle", "quantize_mx"):
+    globals()[_name] = issued(globals()[_name])
+del _name
 
 # Removed by AWS in NKI 0.4.0.
 _REMOVED = {"tensor_copy_dynamic_src", "tensor_copy_dynamic_dst"}

@@ -77,6 +77,31 @@ class Timeline:
             free = self.free[engine]
         return max(free, self._ready(engine, reads, writes))
 
+    def delay(self, first: int, delta: float):
+        """Move the last-issued instruction (``events[first:]``) ``delta`` ns later: an
+        explicit dependency added after it was scheduled (``NkiInstruction.depends_on``).
+        Its engine (or DMA queues) and the regions it touched become free that much later."""
+        moved = set()
+        for i in range(first, len(self.events)):
+            name, lane, start, dur, args = self.events[i]
+            old, new = start + dur, start + dur + delta
+            self.events[i] = (name, lane, start + delta, dur, args)
+            engine = "dma" if lane.startswith("dma") else lane
+            moved.add((old, engine))
+            if engine == "dma":
+                self.queues = [new if q == old else q for q in self.queues]
+            elif self.free[engine] == old:
+                self.free[engine] = new
+            self.end = max(self.end, new)
+        # An engine runs in order, so no earlier instruction of the same engine ends at the
+        # same time: (end, engine) names the region records this instruction made.
+        for lst in self.regions.values():
+            for e in lst:
+                if (e[1], e[2]) in moved:
+                    e[1] += delta
+                if (e[3], e[4]) in moved:
+                    e[3] += delta
+
     def _record(self, engine, reads, writes, end):
         for space, b in reads:
             lst = self.regions.setdefault(space, [])
