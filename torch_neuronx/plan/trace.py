@@ -79,7 +79,8 @@ class StepTrace:
         DDP step traced on one rank (its collectives re-priced, as ``replay``). Other
         combinations are refused; docs/plan.md says what is charged."""
         from .. import _state
-        from .replay import Replay, replay_fsdp, replay_tp
+        from .replay import Replay, replay_tp
+        from .replay_fsdp import replay_fsdp
         for name, degree in (("fsdp", fsdp), ("replicate", replicate), ("tp", tp), ("dp", dp)):
             if not isinstance(degree, int) or degree < 1:
                 raise ValueError(f"replay_layout: {name}={degree!r} must be a positive int")
