@@ -313,3 +313,67 @@ def test_a_unit_called_twice_is_refused_under_fsdp_and_replayed_under_tp():
         t.replay_layout(fsdp=2, fsdp_units=FSDP_UNITS)
     r = t.replay_layout(tp=2, tp_plan=TP_PLAN)
     assert [c[0] for c in r.collectives] == ["all_reduce"] * 7   # 4 forward, 3 backward
+
+
+PP_STAGES = [f"blocks.{i}" for i in range(step_script.BLOCKS)]
+
+
+@pytest.mark.parametrize("schedule,m", [("gpipe", 2), ("1f1b", 4)])
+def test_pipeline_replay_equals_a_real_2_rank_run(traced, schedule, m):
+    """torch.distributed.pipelining on 2 ranks (block i on rank i, ScheduleGPipe or
+    Schedule1F1B over m micro-batches): each stage's replayed busy time (its blocks' traced
+    ops per micro-batch at 1/m of the batch, the loss on the last stage, the activation and
+    gradient send/recv, gradient accumulation and scaling, the output merge, the optimizer on
+    its parameters) equals what that rank's modelled clock reports, collective by
+    collective. The step adds the schedule's bubble, which no rank's own clock counts."""
+    predicted = traced.replay_layout(pp=2, pp_stages=PP_STAGES, schedule=schedule,
+                                     microbatches=m)
+    real = ranks(2, "_pp_step.py", schedule, str(m))
+    assert len(predicted.stages) == 2
+    for stage, r in zip(predicted.stages, real):
+        assert [c[:3] for c in r["collectives"]] == [list(c[:3]) for c in stage.collectives]
+        assert [c[4] for c in r["collectives"]] == pytest.approx(
+            [c[3] for c in stage.collectives], rel=1e-12)
+        busy = stage.device_seconds + stage.collective_seconds
+        assert r["seconds"] == pytest.approx(busy, rel=1e-9)
+        assert r["flops"] == pytest.approx(stage.flops, rel=1e-12)
+        assert stage.seconds == predicted.seconds
+        assert stage.bubble_seconds == pytest.approx(stage.seconds - busy, rel=1e-12)
+        assert stage.bubble_seconds > 0
+    # FLOPs are conserved: the stages split the traced step's (the last stage's loss included)
+    assert sum(s.flops for s in predicted.stages) == pytest.approx(traced.flops, rel=1e-12)
+    assert predicted is max(predicted.stages, key=lambda s: s.seconds - s.bubble_seconds)
+
+
+def test_pipeline_bubble_of_equal_stages_is_the_gpipe_formula():
+    """Stages of equal per-micro-batch work t (forward and backward actions) and no work
+    outside them: GPipe's makespan is (m + pp - 1) forward times plus (m + pp - 1) backward
+    times, so each stage idles (pp - 1) (t_f + t_b) (Huang et al. 2019)."""
+    from torch_neuronx.plan.replay import Replay
+    from torch_neuronx.plan.replay_pp import _makespan
+    pp, m, tf, tb = 4, 8, 3.0, 5.0
+    stages = []
+    for _ in range(pp):
+        r = Replay("stage")
+        r.device_seconds = m * (tf + tb)
+        r._actions = {**{("F", i): tf for i in range(m)}, **{("B", i): tb for i in range(m)}}
+        stages.append(r)
+    for schedule in ("gpipe", "1f1b"):
+        span = _makespan(stages, pp, m, schedule)
+        assert span - m * (tf + tb) == pytest.approx((pp - 1) * (tf + tb))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(pp=2), r"pp=2 needs pp_stages"),
+    (dict(pp=2, pp_stages=["blocks.0", "blocks.9"]), r"pp_stages names 'blocks.9'"),
+    (dict(pp=2, pp_stages=PP_STAGES, schedule="zb"), r"schedule='zb'; replayed: gpipe, 1f1b"),
+    (dict(pp=2, pp_stages=PP_STAGES, microbatches=3), r"microbatches=3 does not divide the "
+                                                      r"batch dimension 128"),
+    (dict(pp=2, pp_stages=PP_STAGES, schedule="1f1b", microbatches=1),
+     r"Schedule1F1B needs microbatches >= pp"),
+    (dict(pp=2, pp_stages=PP_STAGES, tp=2, tp_plan=TP_PLAN), r"tp=2 with pp=2 is not replayed"),
+    (dict(pp=2, pp_stages=[["blocks.0"], []]), r"pipeline stage 1 holds no module"),
+])
+def test_bad_pipeline_layouts_raise_clear_errors(traced, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        traced.replay_layout(**kwargs)

@@ -1,6 +1,7 @@
 """A traced single-device step replayed under a parallel layout: the ``Replay`` result, the
 re-pricing of traced ops at sharded shapes that every layout shares, and Megatron tensor
-parallelism (FSDP2 and its variants: ``replay_fsdp.py``).
+parallelism (FSDP2 and its variants: ``replay_fsdp.py``; pipeline parallelism:
+``replay_pp.py``).
 
 ``StepTrace.replay_layout(fsdp=N, fsdp_units=[...])`` and
 ``StepTrace.replay_layout(tp=N, tp_plan={...})`` start from the ops the cost model charged
@@ -34,17 +35,21 @@ class Replay:
     """One rank's modelled step under a layout: ``seconds`` = ``device_seconds`` (the traced
     ops, re-priced where sharded, plus the copies the parallelism adds) +
     ``collective_seconds`` - ``overlap_seconds`` (device work on another stream that the
-    timeline runs alongside); ``flops`` per device; ``ops`` the replayed device ops as
-    (name, module, backward, seconds, flops); ``collectives`` as (op, nbytes, group_size,
-    seconds)."""
+    timeline runs alongside) + ``bubble_seconds`` (pipeline parallelism: the time the rank
+    waits for other stages, which its own modelled clock does not count); ``flops`` per
+    device; ``ops`` the replayed device ops as (name, module, backward, seconds, flops);
+    ``collectives`` as (op, nbytes, group_size, seconds); ``stages`` every pipeline stage's
+    Replay (pp only)."""
     layout: str
     seconds: float = 0.0
     device_seconds: float = 0.0
     collective_seconds: float = 0.0
     overlap_seconds: float = 0.0
+    bubble_seconds: float = 0.0
     flops: float = 0.0
     ops: list = field(default_factory=list)
     collectives: list = field(default_factory=list)
+    stages: list = field(default_factory=list, repr=False)
 
     def _op(self, name, module, backward, seconds, flops=0.0):
         self.ops.append((name, module, backward, seconds, flops))
@@ -61,7 +66,8 @@ class Replay:
         return (f"replayed {self.layout}: {self.seconds * 1e3:.4f} ms (device "
                 f"{self.device_seconds * 1e3:.4f} ms, collectives "
                 f"{self.collective_seconds * 1e3:.4f} ms, {len(self.collectives)}, overlap "
-                f"{self.overlap_seconds * 1e3:.4f} ms), "
+                f"{self.overlap_seconds * 1e3:.4f} ms, bubble "
+                f"{self.bubble_seconds * 1e3:.4f} ms), "
                 f"{self.flops / 1e9:.3f} GFLOP per device")
 
 
@@ -139,7 +145,9 @@ def _split_op(o, size: int, n: int, cfg) -> tuple:
     new_in = sum(math.prod(s) for s in new)
     bytes_in = c.bytes_in * new_in // old_in if old_in else c.bytes_in
     item = c.dtype.itemsize
-    bytes_out = _out_numel(c.name, c.shapes, new, c.bytes_out // item, o.module) * item
+    # the record sums its launches' bytes; each launch has the recorded shapes
+    per_launch = c.bytes_out // c.count // item
+    bytes_out = c.count * _out_numel(c.name, c.shapes, new, per_launch, o.module) * item
     return _reprice(c, new, bytes_in, bytes_out, cfg)
 
 
