@@ -21,13 +21,17 @@ TP=N (``parallelize_module`` with Colwise/RowwiseParallel):
   and the ``all_reduce`` of its output with the copy functional collectives make; per
   column-parallel Linear that computed an input gradient, the ``all_reduce`` (and copy) of
   that gradient; optimizer ops re-priced for the local shards.
+TP=N with sequence parallelism ("sequence" norms in the plan, TorchTitan's layout): the ops
+  outside those regions on 1/N of the tokens; the all-reduces become a reduce-scatter, an
+  all-gather precedes each colwise Linear in forward and each rowwise one's input gradient
+  in backward; the norms' replicated gradients are all-reduced at the end.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-_STYLES = ("colwise", "rowwise")
+_STYLES = ("colwise", "rowwise", "sequence")
 
 
 @dataclass
@@ -88,6 +92,23 @@ def _split_shapes(shapes, size: int, n: int):
     return tuple(tuple(d // n if d == size else d for d in s) for s in shapes)
 
 
+# Ops of several outputs, their elements from the recorded input shapes (the norm over the
+# last dim): layer norm's output, mean and rstd; its backward's weight and bias gradients,
+# with or without the input's (an input that needs none).
+_SEVERAL_OUTPUTS = {
+    "native_layer_norm": (lambda s: math.prod(s[0]) + 2 * math.prod(s[0][:-1]),),
+    "native_layer_norm_backward": (lambda s: math.prod(s[0]) + 2 * s[0][-1],
+                                   lambda s: 2 * s[0][-1]),
+}
+
+
+# Inputs of an op beyond the three shapes a record keeps, in elements: layer norm backward's
+# rstd (shaped as its mean), weight and bias.
+_UNRECORDED_INPUTS = {
+    "native_layer_norm_backward": lambda s: math.prod(s[2]) + 2 * s[0][-1],
+}
+
+
 def _out_numel(op: str, old_shapes, new_shapes, old_out: int, module: str) -> int:
     """The output elements of ``op`` at ``new_shapes``, from its recorded ``old_out``: a
     matmul's from its dims; an element-wise op's as the input of the same size; a reduction's
@@ -102,6 +123,9 @@ def _out_numel(op: str, old_shapes, new_shapes, old_out: int, module: str) -> in
     for o, s in zip(old_shapes, new_shapes):
         if math.prod(o) == old_out:
             return math.prod(s)
+    found = {f(new_shapes) for f in _SEVERAL_OUTPUTS.get(op, ()) if f(old_shapes) == old_out}
+    if len(found) == 1:
+        return found.pop()
     big = max(range(len(old_shapes)), key=lambda i: math.prod(old_shapes[i]), default=None)
     if big is not None:
         o, s = old_shapes[big], new_shapes[big]
@@ -143,7 +167,12 @@ def _split_op(o, size: int, n: int, cfg) -> tuple:
         return c.seconds, c.flops
     old_in = sum(math.prod(s) for s in c.shapes)
     new_in = sum(math.prod(s) for s in new)
-    bytes_in = c.bytes_in * new_in // old_in if old_in else c.bytes_in
+    unrecorded = _UNRECORDED_INPUTS.get(c.name)
+    if unrecorded and (old_in + unrecorded(c.shapes)) * c.dtype.itemsize * c.count == c.bytes_in:
+        # inputs beyond the three shapes the record keeps
+        bytes_in = (new_in + unrecorded(new)) * c.dtype.itemsize * c.count
+    else:
+        bytes_in = c.bytes_in * new_in // old_in if old_in else c.bytes_in
     item = c.dtype.itemsize
     # the record sums its launches' bytes; each launch has the recorded shapes
     per_launch = c.bytes_out // c.count // item
@@ -166,12 +195,18 @@ def _optimizer_op(o, ratio: float, cfg, params: dict) -> tuple:
     return _reprice(c, c.shapes, round(c.bytes_in * ratio), round(c.bytes_out * ratio), cfg)
 
 
-def _check_plan(tp: int, tp_plan: dict, linears: dict) -> None:
+def _check_plan(tp: int, tp_plan: dict, linears: dict, modules) -> None:
     if not tp_plan:
-        raise ValueError("replay: tp > 1 needs tp_plan, {module name: 'colwise' | 'rowwise'}")
+        raise ValueError("replay: tp > 1 needs tp_plan, {module name: 'colwise' | 'rowwise' "
+                         "| 'sequence'}")
     for name, style in tp_plan.items():
         if style not in _STYLES:
             raise ValueError(f"replay: tp_plan[{name!r}] = {style!r}; styles: {', '.join(_STYLES)}")
+        if style == "sequence":
+            if name not in modules:
+                raise ValueError(f"replay: tp_plan names {name!r}, which is not a submodule of "
+                                 f"the traced module")
+            continue
         if name not in linears:
             known = ", ".join(sorted(linears)) or "none"
             raise ValueError(f"replay: tp_plan names {name!r}, which is not an nn.Linear of the "
@@ -213,9 +248,13 @@ def replay_tp(trace, tp: int, tp_plan: dict, cfg, nodes: int, fsdp: int = 1,
               fsdp_covered=frozenset()) -> Replay:
     """TP=tp; with ``fsdp`` > 1 the TP part of a 2-D run: the optimizer also steps only the
     FSDP shards (of the TP-local parameters in ``fsdp_covered``)."""
-    from ..distributed.collectives_model import collective_seconds
-    _check_plan(tp, tp_plan, trace.linears)
-    out = Replay(f"tp={tp}")
+    _check_plan(tp, tp_plan, trace.linears, trace.modules)
+    # sequence parallelism (a "sequence" module in the plan, TorchTitan's layout): the ops
+    # outside the column-to-row-parallel regions run on 1/tp of the tokens (dim 0 of the
+    # root's input), all-reduces become all-gathers and reduce-scatters
+    sp = "sequence" in tp_plan.values()
+    tokens = _root_dim0(trace, tp, "tp with sequence parallelism") if sp else None
+    out = Replay(f"tp={tp}" + (" sp" if sp else ""))
 
     def sharded(fqn, shape, numel):
         local = _tp_local_shape(fqn, shape, tp_plan, tp)
@@ -224,20 +263,20 @@ def replay_tp(trace, tp: int, tp_plan: dict, cfg, nodes: int, fsdp: int = 1,
         return math.prod(local)
     local, full = _local_bytes(trace.params, sharded)
     ratio = local / full if full else 1.0
-    comm = lambda op, nbytes: collective_seconds(op, nbytes, tp, nodes, cfg[0], cfg[1])  # noqa: E731
-    from ..cost_model import copy_seconds, op_seconds
 
     # The sharded region: forward from a colwise Linear to the next rowwise one, backward
     # from a rowwise Linear to the next colwise one; its ops run on 1/tp of the split dim.
     region = {False: None, True: None}
-    # (module, bytes) per launch: a module called twice all-reduces twice
-    rowwise_fwd, colwise_grad_in = [], []
+    # (what, module, bytes) per launch, in issue order: a module called twice communicates
+    # twice
+    comms = []
     for o in trace.ops:
         c = o.charge
         if c.engine == "collective":
             raise ValueError(f"replay: the traced step issued {c.name}; tp is replayed from a "
                              f"step traced without collectives")
         style = tp_plan.get(o.module)
+        style = None if style == "sequence" else style
         if _is_optimizer(c.name):
             seconds, flops = _optimizer_op(o, ratio, cfg, trace.params)
             out._op(c.name, o.module, o.backward, seconds, flops)
@@ -249,29 +288,77 @@ def replay_tp(trace, tp: int, tp_plan: dict, cfg, nodes: int, fsdp: int = 1,
             region[o.backward] = size if opens else None
         else:
             size = region[o.backward]
+        if size is None and sp:
+            size = tokens   # outside the regions: the rank's share of the sequence
         seconds, flops = (c.seconds, c.flops) if size is None else _split_op(o, size, tp, cfg)
         out._op(c.name, o.module, o.backward, seconds, flops)
-        if style == "rowwise" and not o.backward and c.engine == "tensor":
-            rowwise_fwd += [(o.module, c.bytes_out // c.count)] * c.count
-        if (style == "colwise" and o.backward and c.engine == "tensor"
-                and _matmul_k(c) == trace.linears[o.module][1]):
-            # the input gradient: the matmul that contracts out_features
-            colwise_grad_in += [(o.module, c.bytes_out // c.count)] * c.count
-    p, lnc = cfg
-    for name, nbytes in rowwise_fwd:
-        fin, fout = trace.linears[name]
-        if trace.params.get(name + ".bias") is not None:
-            # the replicated bias becomes a Partial sum: DTensor divides it by tp
-            dtype = trace.params[name + ".bias"][1]
-            b = fout * dtype.itemsize
-            out._op("div", name, False, op_seconds(p, lnc, "div", [(fout,)], dtype, b, b)[0])
-        out._op("copy_d2d", name, False, copy_seconds(p, lnc, "copy_d2d", nbytes))
-        out._collective("all_reduce", nbytes, tp, comm("all_reduce", nbytes))
-    for name, nbytes in colwise_grad_in:
-        out._op("copy_d2d", name, True, copy_seconds(p, lnc, "copy_d2d", nbytes))
-        out._collective("all_reduce", nbytes, tp, comm("all_reduce", nbytes))
+        if style is None or c.engine != "tensor":
+            continue
+        fin, fout = trace.linears[o.module]
+        per_launch = c.bytes_out // c.count
+        grad_in = o.backward and _matmul_k(c) == fout   # contracts out_features
+        if style == "rowwise" and not o.backward:
+            comms += [("row_fwd", o.module, per_launch)] * c.count
+        if sp and style == "colwise" and not o.backward:
+            # the sequence-sharded input is all-gathered (tokens x in_features)
+            comms += [("all_gather", o.module, per_launch // fout * fin)] * c.count
+        if sp and style == "rowwise" and grad_in:
+            # and in backward the gradient of the sequence-sharded output
+            comms += [("all_gather", o.module, per_launch // fin * fout)] * c.count
+        if style == "colwise" and grad_in:
+            comms += [("col_grad_in", o.module, per_launch)] * c.count
+    _tp_comms(out, trace, comms, sp, tp_plan, tp, nodes, cfg)
     out.seconds = out.device_seconds + out.collective_seconds
     return out
+
+
+def _root_dim0(trace, n: int, what: str) -> int:
+    """Dim 0 of the root's first input, which ``what`` (a degree of ``n``) splits: the
+    sequence for sequence parallelism, the batch for pipeline micro-batches."""
+    if not trace.root_inputs:
+        raise ValueError(f"replay: {what} splits dim 0 of the root's input, and the traced "
+                         f"root took no tensor")
+    size = trace.root_inputs[0][0][0]
+    if size % n:
+        raise ValueError(f"replay: {what}={n} does not divide dim 0 ({size}) of the root's "
+                         f"input {trace.root_inputs[0][0]}")
+    return size
+
+
+def _tp_comms(out: Replay, trace, comms: list, sp: bool, tp_plan: dict, tp: int, nodes: int,
+              cfg) -> None:
+    """TP's collectives in issue order and the device work around them: per row-parallel
+    forward the bias division (a replicated bias becomes a Partial sum) and the all-reduce of
+    the output (reduce-scatter with sp), per column-parallel input gradient its all-reduce
+    (reduce-scatter with sp); functional all-reduces copy their output. With sp, the
+    all-gathers found in the trace, and at the end the all-reduce (and copy) of each
+    gradient of a sequence-parallel module's (replicated) parameters."""
+    from ..cost_model import copy_seconds, op_seconds
+    from ..distributed.collectives_model import collective_seconds
+    p, lnc = cfg
+
+    def collective(op, nbytes):
+        out._collective(op, nbytes, tp, collective_seconds(op, nbytes, tp, nodes, p, lnc))
+    for what, name, nbytes in comms:
+        if what == "all_gather":
+            collective("all_gather", nbytes)
+            continue
+        if what == "row_fwd" and trace.params.get(name + ".bias") is not None:
+            dtype = trace.params[name + ".bias"][1]
+            b = trace.linears[name][1] * dtype.itemsize
+            out._op("div", name, False, op_seconds(p, lnc, "div", [(b // dtype.itemsize,)],
+                                                   dtype, b, b)[0])
+        if sp:
+            collective("reduce_scatter", nbytes)
+        else:
+            out._op("copy_d2d", name, what == "col_grad_in",
+                    copy_seconds(p, lnc, "copy_d2d", nbytes))
+            collective("all_reduce", nbytes)
+    for fqn, (shape, dtype) in trace.params.items():
+        if tp_plan.get(fqn.rpartition(".")[0]) == "sequence":
+            nbytes = math.prod(shape) * dtype.itemsize
+            out._op("copy_d2d", fqn, True, copy_seconds(p, lnc, "copy_d2d", nbytes))
+            collective("all_reduce", nbytes)
 
 
 def _matmul_k(c) -> int | None:

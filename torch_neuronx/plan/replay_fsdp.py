@@ -101,6 +101,9 @@ def replay_fsdp(trace, n: int, units, cfg, nodes: int, replicate: int = 1, tp: i
     units, covered = _check_units(trace, n, units)
     mp = _mp_dtypes(trace, mp_policy, covered, tp)
     if tp > 1:
+        if "sequence" in (tp_plan or {}).values():
+            raise ValueError("replay: fsdp with sequence-parallel tp is not replayed yet "
+                             "(checked against real runs: tp with sequence parallelism alone)")
         # The mesh is (dp, tp), ranks tp-major: a TP group spans ceil(nodes / n) nodes, an
         # FSDP group one rank on each of min(n, nodes).
         out = replay_tp(trace, tp, tp_plan, cfg, -(-nodes // n), fsdp=n, fsdp_covered=covered)

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import math
 
-from .replay import Replay, _is_optimizer, _local_bytes, _optimizer_op, _split_op
+from .replay import (Replay, _is_optimizer, _local_bytes, _optimizer_op, _root_dim0,
+                     _split_op)
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -51,13 +52,7 @@ def _check(trace, pp: int, stages, schedule: str, m: int) -> tuple:
                              f"traced module")
     if schedule == "1f1b" and m < pp:
         raise ValueError(f"replay: Schedule1F1B needs microbatches >= pp, got {m} < {pp}")
-    if not trace.root_inputs:
-        raise ValueError("replay: pp splits the root's input into micro-batches, and the traced "
-                         "root took no tensor")
-    batch = trace.root_inputs[0][0][0]
-    if batch % m:
-        raise ValueError(f"replay: microbatches={m} does not divide the batch dimension "
-                         f"{batch} of the root's input {trace.root_inputs[0][0]}")
+    batch = _root_dim0(trace, m, "microbatches")
     for u in (names[-1] for names in units):
         if trace.forward_calls.get(u, 0) != 1:
             raise ValueError(f"replay: pipeline stage module {u!r} ran forward "

@@ -73,7 +73,8 @@ class StepTrace:
         """One rank's modelled step (a ``plan.replay.Replay``) when the traced step runs under
         FSDP2 over ``fsdp`` ranks (``fully_shard`` on each module named in ``fsdp_units``,
         "" for the root), tensor parallelism over ``tp`` ranks (``tp_plan``: Linear module
-        name -> "colwise" | "rowwise", as ``parallelize_module``'s plan), or data parallelism
+        name -> "colwise" | "rowwise", as ``parallelize_module``'s plan, or a norm's name ->
+        "sequence" for TorchTitan's sequence parallelism), or data parallelism
         over ``dp`` ranks, on ``nodes`` nodes. ``replicate=R`` with ``fsdp=S`` is HSDP
         (``fully_shard`` over a (R, S) mesh: sharded over S, replicated over R; R x S ranks);
         ``fsdp=N`` with ``tp=T`` is 2-D FSDP x TP on a (N, T) mesh (N x T ranks);
