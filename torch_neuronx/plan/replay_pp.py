@@ -76,8 +76,9 @@ def replay_pp(trace, pp: int, stages, schedule: str, m: int, cfg, nodes: int) ->
     from ..distributed.collectives_model import collective_seconds
     units, batch = _check(trace, pp, stages, schedule, m)
     p, lnc = cfg
-    # stage neighbours are on different nodes only when the stages span nodes
-    p2p = lambda op, nbytes: collective_seconds(op, nbytes, 2, min(nodes, 2), p, lnc)  # noqa: E731
+    # a p2p goes through the pipeline group: the backend charges it as the group's (its
+    # price is one link's, over EFA when the group spans nodes)
+    p2p = lambda op, nbytes: collective_seconds(op, nbytes, pp, nodes, p, lnc)  # noqa: E731
     link = [_p2p_bytes(trace, names[-1], m) for names in units[:-1]]
     out = []
     for s, names in enumerate(units):
@@ -143,14 +144,14 @@ def _actions(r: Replay, s: int, pp: int, m: int, schedule: str, fwd, bwd, grads,
         # micro-batch), send the gradient of the input back
         recv, send = (s - 1, s) if kind == "F" else (s, s - 1)
         if 0 <= recv < pp - 1:
-            r._collective("recv", link[recv], 2, p2p("recv", link[recv]))
+            r._collective("recv", link[recv], pp, p2p("recv", link[recv]))
         for o, sec, flops in (fwd if kind == "F" else bwd):
             r._op(o.charge.name, o.module, kind == "B", sec, flops)
         if kind == "B" and i > 0:
             for name, fqn, shapes, dtype, nin, nout in grads:
                 r._op(name, fqn, True, op_seconds(p, lnc, name, shapes, dtype, nin, nout)[0])
         if 0 <= send < pp - 1:
-            r._collective("send", link[send], 2, p2p("send", link[send]))
+            r._collective("send", link[send], pp, p2p("send", link[send]))
         seconds[kind, i] = r.device_seconds + r.collective_seconds - t0
     return seconds
 
