@@ -37,10 +37,21 @@ class Block(nn.Module):
         return x + self.fc2(self.act(self.fc1(x)))
 
 
+class NormBlock(Block):
+    """A pre-norm block, as a transformer's MLP half: the norm is what sequence parallelism
+    shards."""
+    def __init__(self, d):
+        super().__init__(d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+
 class MLP(nn.Module):
-    def __init__(self, d=DIM, n=BLOCKS):
+    def __init__(self, d=DIM, n=BLOCKS, block=Block):
         super().__init__()
-        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.blocks = nn.ModuleList(block(d) for _ in range(n))
 
     def forward(self, x):
         for b in self.blocks:
@@ -67,6 +78,13 @@ MODELS = {
                     {f"blocks.{i}.{name}": style for i in range(BLOCKS)
                      for name, style in (("fc1", "colwise"), ("fc2", "rowwise"))},
                     [f"blocks.{i}" for i in range(BLOCKS)] + [""]),
+    # TP with sequence parallelism (TorchTitan's layout): "sequence" marks the norms
+    "normmlp": Workload(lambda: MLP(block=NormBlock), lambda g: torch.randn(TOKENS, DIM, generator=g),
+                        lambda m, x: m(x).square().mean(),
+                        {f"blocks.{i}.{name}": style for i in range(BLOCKS)
+                         for name, style in (("norm", "sequence"), ("fc1", "colwise"),
+                                             ("fc2", "rowwise"))},
+                        [f"blocks.{i}" for i in range(BLOCKS)] + [""]),
     # FSDP only: a tensor-parallel GPT needs a head-aware plan for its fused qkv projection,
     # and an optimizer over DTensor and plain parameters at once is refused by DTensor.
     "gpt": Workload(lambda: GPT(GPT_CONFIG), _gpt_batch, lambda m, x: m(x, x)[1], None,
@@ -105,12 +123,18 @@ def build(model_name: str, layout: str, dev):
         parallelize_module(model, mesh["tp"], {k: styles[v]() for k, v in w.tp_plan.items()})
         for name in w.fsdp_units:
             fully_shard(model.get_submodule(name), mesh=mesh["dp"])
-    elif layout == "tp":
+    elif layout in ("tp", "sp"):
         from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard
         from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                       parallelize_module)
+                                                       SequenceParallel, parallelize_module)
         mesh = init_device_mesh("neuron", (int(os.environ["WORLD_SIZE"]),))
         styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        if layout == "sp":
+            # the sequence (dim 0 of the tokens) sharded outside the colwise-rowwise pairs
+            styles = {"colwise": lambda: ColwiseParallel(input_layouts=Shard(0)),
+                      "rowwise": lambda: RowwiseParallel(output_layouts=Shard(0)),
+                      "sequence": lambda: SequenceParallel(sequence_dim=0)}
         parallelize_module(model, mesh, {k: styles[v]() for k, v in w.tp_plan.items()})
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     return model, opt
@@ -124,6 +148,8 @@ def traced_step(model_name: str, layout: str, dev, rank: int = 0):
     seed = rank // TP_2D if layout == "fsdptp" else rank if "sdp" in layout else 0
     g = torch.Generator().manual_seed(seed)
     x = w.batch(g).to(dev)
+    if layout == "sp":   # each rank feeds its share of the sequence
+        x = x.chunk(int(os.environ["WORLD_SIZE"]))[rank].contiguous()
 
     def step():
         opt.zero_grad(set_to_none=True)

@@ -19,11 +19,14 @@ from _plan_ranks import ranks  # noqa: E402
 
 
 MLP, GPT = step_script.MODELS["mlp"], step_script.MODELS["gpt"]
+NORM = step_script.MODELS["normmlp"]
 TP_PLAN, FSDP_UNITS = MLP.tp_plan, MLP.fsdp_units
 _MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
 CASES = {"mlp-fsdp": ("mlp", dict(fsdp=2, fsdp_units=MLP.fsdp_units)),
          "mlp-tp": ("mlp", dict(tp=2, tp_plan=MLP.tp_plan)),
-         "gpt-fsdp": ("gpt", dict(fsdp=2, fsdp_units=GPT.fsdp_units))}
+         "gpt-fsdp": ("gpt", dict(fsdp=2, fsdp_units=GPT.fsdp_units)),
+         # TorchTitan's sequence parallelism: norms sharded on the sequence
+         "normmlp-sp": ("normmlp", dict(tp=2, tp_plan=NORM.tp_plan))}
 
 
 @pytest.fixture(scope="module")
@@ -59,14 +62,23 @@ def traced_gpt():
     return _trace("gpt")
 
 
+@pytest.fixture(scope="module")
+def traced_norm():
+    return _trace("normmlp")
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_replay_equals_a_real_2_rank_run(traced, traced_gpt, real, case):
+def test_replay_equals_a_real_2_rank_run(request, real, case):
     """A step traced on one device, replayed for FSDP=2 (fully_shard per block and the root)
     or TP=2 (Megatron colwise/rowwise plan), equals the modelled time each rank of a real
     2-rank run reports, collective by collective: an MLP of two blocks under both, the demo
-    GPT (two layers, the root holding the embeddings and the tied head) under FSDP."""
+    GPT (two layers, the root holding the embeddings and the tied head) under FSDP, and
+    pre-norm blocks under TP=2 with sequence parallelism (SequenceParallel norms, the
+    colwise input and rowwise output sharded on the sequence: all-gathers and
+    reduce-scatters, and the all-reduce of the norms' gradients)."""
     model_name, layout = CASES[case]
-    t = traced if model_name == "mlp" else traced_gpt
+    t = request.getfixturevalue({"mlp": "traced", "gpt": "traced_gpt",
+                                 "normmlp": "traced_norm"}[model_name])
     predicted = t.replay_layout(**layout)
     assert not t.collectives
     for rank in real:
@@ -77,6 +89,26 @@ def test_replay_equals_a_real_2_rank_run(traced, traced_gpt, real, case):
         assert r["seconds"] == pytest.approx(predicted.seconds, rel=1e-9)
     # the layout changes the step: the what-if is not the traced time
     assert abs(predicted.seconds - t.seconds) > 1e-3 * t.seconds
+
+
+def test_sequence_parallelism_shards_the_norms_and_keeps_tp_matmuls(traced_norm):
+    """With SP the ops outside the colwise-rowwise pairs (norms, residuals, loss) run on half
+    the tokens, the Linear layers as under TP; each TP all-reduce becomes an all-gather plus a
+    reduce-scatter of the same bytes, and the norms' replicated gradients are all-reduced."""
+    sp = traced_norm.replay_layout(tp=2, tp_plan=NORM.tp_plan)
+    plain = {k: v for k, v in NORM.tp_plan.items() if v != "sequence"}
+    tp = traced_norm.replay_layout(tp=2, tp_plan=plain)
+    linears = set(plain)
+    assert (sum(f for _, m, _, _, f in sp.ops if m in linears)
+            == pytest.approx(sum(f for _, m, _, _, f in tp.ops if m in linears), rel=1e-12))
+    norms = [m for m, v in NORM.tp_plan.items() if v == "sequence"]
+    for a, b in zip([o for o in sp.ops if o[1] in norms], [o for o in tp.ops if o[1] in norms]):
+        assert a[3] < b[3]
+    assert sorted(c[0] for c in tp.collectives) == ["all_reduce"] * 4
+    kinds = [c[0] for c in sp.collectives]
+    assert kinds.count("all_gather") == kinds.count("reduce_scatter") == 4
+    norm_params = [f for f in traced_norm.params if f.rpartition(".")[0] in norms]
+    assert kinds[8:] == ["all_reduce"] * len(norm_params) == ["all_reduce"] * 4
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -146,6 +178,10 @@ def test_fsdp_optimizer_work_is_divided_by_the_degree(traced):
     (dict(tp=2, tp_plan=TP_PLAN, mp_policy=_MP), r"mp_policy is FSDP2's MixedPrecisionPolicy and needs fsdp > 1"),
     (dict(fsdp=2, fsdp_units=FSDP_UNITS, tp=2, tp_plan=TP_PLAN, mp_policy=_MP),
      r"mp_policy with tp is not replayed yet"),
+    (dict(tp=2, tp_plan={**TP_PLAN, "blocks.0.norm": "sequence"}),
+     r"tp_plan names 'blocks.0.norm', which is not a submodule"),
+    (dict(fsdp=2, fsdp_units=FSDP_UNITS, tp=2, tp_plan={**TP_PLAN, "blocks.0": "sequence"}),
+     r"fsdp with sequence-parallel tp is not replayed yet"),
 ])
 def test_bad_layouts_raise_clear_errors(traced, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -313,3 +349,66 @@ def test_a_unit_called_twice_is_refused_under_fsdp_and_replayed_under_tp():
         t.replay_layout(fsdp=2, fsdp_units=FSDP_UNITS)
     r = t.replay_layout(tp=2, tp_plan=TP_PLAN)
     assert [c[0] for c in r.collectives] == ["all_reduce"] * 7   # 4 forward, 3 backward
+
+
+PP_STAGES = [f"blocks.{i}" for i in range(step_script.BLOCKS)]
+
+
+@pytest.mark.parametrize("schedule,m", [("gpipe", 2), ("1f1b", 4)])
+def test_pipeline_replay_equals_a_real_2_rank_run(traced, schedule, m):
+    """torch.distributed.pipelining on 2 ranks (block i on rank i, ScheduleGPipe or
+    Schedule1F1B over m micro-batches): each stage's replayed busy time (its blocks' traced
+    ops per micro-batch at 1/m of the batch, the loss on the last stage, the activation and
+    gradient send/recv, gradient accumulation and scaling, the output merge, the optimizer on
+    its parameters) equals what that rank's modelled clock reports, collective by
+    collective. The step adds the schedule's bubble, which no rank's own clock counts."""
+    predicted = traced.replay_layout(pp=2, pp_stages=PP_STAGES, schedule=schedule,
+                                     microbatches=m)
+    real = ranks(2, "_pp_step.py", schedule, str(m))
+    assert len(predicted.stages) == 2
+    for stage, r in zip(predicted.stages, real):
+        assert [c[:3] for c in r["collectives"]] == [list(c[:3]) for c in stage.collectives]
+        assert [c[4] for c in r["collectives"]] == pytest.approx(
+            [c[3] for c in stage.collectives], rel=1e-12)
+        busy = stage.device_seconds + stage.collective_seconds
+        assert r["seconds"] == pytest.approx(busy, rel=1e-9)
+        assert r["flops"] == pytest.approx(stage.flops, rel=1e-12)
+        assert stage.seconds == predicted.seconds
+        assert stage.bubble_seconds == pytest.approx(stage.seconds - busy, rel=1e-12)
+        assert stage.bubble_seconds > 0
+    # FLOPs are conserved: the stages split the traced step's (the last stage's loss included)
+    assert sum(s.flops for s in predicted.stages) == pytest.approx(traced.flops, rel=1e-12)
+    assert predicted is max(predicted.stages, key=lambda s: s.seconds - s.bubble_seconds)
+
+
+def test_pipeline_bubble_of_equal_stages_is_the_gpipe_formula():
+    """Stages of equal per-micro-batch work t (forward and backward actions) and no work
+    outside them: GPipe's makespan is (m + pp - 1) forward times plus (m + pp - 1) backward
+    times, so each stage idles (pp - 1) (t_f + t_b) (Huang et al. 2019)."""
+    from torch_neuronx.plan.replay import Replay
+    from torch_neuronx.plan.replay_pp import _makespan
+    pp, m, tf, tb = 4, 8, 3.0, 5.0
+    stages = []
+    for _ in range(pp):
+        r = Replay("stage")
+        r.device_seconds = m * (tf + tb)
+        r._actions = {**{("F", i): tf for i in range(m)}, **{("B", i): tb for i in range(m)}}
+        stages.append(r)
+    for schedule in ("gpipe", "1f1b"):
+        span = _makespan(stages, pp, m, schedule)
+        assert span - m * (tf + tb) == pytest.approx((pp - 1) * (tf + tb))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(pp=2), r"pp=2 needs pp_stages"),
+    (dict(pp=2, pp_stages=["blocks.0", "blocks.9"]), r"pp_stages names 'blocks.9'"),
+    (dict(pp=2, pp_stages=PP_STAGES, schedule="zb"), r"schedule='zb'; replayed: gpipe, 1f1b"),
+    (dict(pp=2, pp_stages=PP_STAGES, microbatches=3), r"microbatches=3 does not divide dim 0 \(128\)"),
+    (dict(pp=2, pp_stages=PP_STAGES, schedule="1f1b", microbatches=1),
+     r"Schedule1F1B needs microbatches >= pp"),
+    (dict(pp=2, pp_stages=PP_STAGES, tp=2, tp_plan=TP_PLAN), r"tp=2 with pp=2 is not replayed"),
+    (dict(pp=2, pp_stages=[["blocks.0"], []]), r"pipeline stage 1 holds no module"),
+])
+def test_bad_pipeline_layouts_raise_clear_errors(traced, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        traced.replay_layout(**kwargs)

@@ -10,8 +10,8 @@ rank thus predicts the step on N ranks (tests/plan checks it against a real 2-ra
 
 ``with plan.trace(device, model) as t: step()`` also keeps each op the cost model charged
 with the submodule of ``model`` it ran under (``t.ops``), and ``t.replay_layout(fsdp=N, ...)``
-/ ``t.replay_layout(tp=N, ...)`` replays a single-device step under FSDP2 or tensor
-parallelism (``plan/replay.py``; tests/plan/test_replay.py checks it against real runs).
+/ ``t.replay_layout(tp=N, ...)`` / ``t.replay_layout(pp=N, ...)`` replays a single-device step
+under FSDP2, tensor or pipeline parallelism (``plan/replay*.py``; tests/plan/test_replay.py checks it against real runs).
 """
 from __future__ import annotations
 
@@ -50,6 +50,8 @@ class StepTrace:
     modules: list = field(default_factory=list)
     forward_calls: dict = field(default_factory=dict)   # submodule name -> forward calls
     root_inputs: list = field(default_factory=list)     # (shape, dtype) of the root's tensor args
+    # submodule name -> [(shape, dtype)] of the tensors its first forward call returned
+    module_outputs: dict = field(default_factory=dict)
 
     def replay(self, group_size: int, nodes: int = 1, profile=None, lnc: int | None = None) -> float:
         """Modelled seconds of the traced step with its collectives over ``group_size`` ranks
@@ -65,26 +67,32 @@ class StepTrace:
         return self.seconds - traced + resized
 
     def replay_layout(self, *, fsdp: int = 1, fsdp_units=None, replicate: int = 1,
-                      mp_policy=None, tp: int = 1, tp_plan=None, dp: int = 1, nodes: int = 1,
-                      profile=None, lnc: int | None = None):
+                      mp_policy=None, tp: int = 1, tp_plan=None, dp: int = 1, pp: int = 1,
+                      pp_stages=None, schedule: str = "gpipe", microbatches: int = 1,
+                      nodes: int = 1, profile=None, lnc: int | None = None):
         """One rank's modelled step (a ``plan.replay.Replay``) when the traced step runs under
         FSDP2 over ``fsdp`` ranks (``fully_shard`` on each module named in ``fsdp_units``,
         "" for the root), tensor parallelism over ``tp`` ranks (``tp_plan``: Linear module
-        name -> "colwise" | "rowwise", as ``parallelize_module``'s plan), or data parallelism
+        name -> "colwise" | "rowwise", as ``parallelize_module``'s plan, or a norm's name ->
+        "sequence" for TorchTitan's sequence parallelism), or data parallelism
         over ``dp`` ranks, on ``nodes`` nodes. ``replicate=R`` with ``fsdp=S`` is HSDP
         (``fully_shard`` over a (R, S) mesh: sharded over S, replicated over R; R x S ranks);
         ``fsdp=N`` with ``tp=T`` is 2-D FSDP x TP on a (N, T) mesh (N x T ranks);
         ``mp_policy`` is FSDP2's ``MixedPrecisionPolicy`` (param_dtype, reduce_dtype) with
-        fsdp. fsdp and tp replay a single-device step traced with ``trace(device, module)``; dp a
+        fsdp. ``pp`` is torch.distributed.pipelining with one stage per rank (``pp_stages``:
+        the module names of each stage), ``schedule`` "gpipe" or "1f1b" over
+        ``microbatches``. fsdp and tp replay a single-device step traced with ``trace(device, module)``; dp a
         DDP step traced on one rank (its collectives re-priced, as ``replay``). Other
         combinations are refused; docs/plan.md says what is charged."""
         from .. import _state
-        from .replay import Replay, replay_fsdp, replay_tp
-        for name, degree in (("fsdp", fsdp), ("replicate", replicate), ("tp", tp), ("dp", dp)):
+        from .replay import Replay, replay_tp
+        from .replay_fsdp import replay_fsdp
+        for name, degree in (("fsdp", fsdp), ("replicate", replicate), ("tp", tp), ("dp", dp),
+                             ("pp", pp), ("microbatches", microbatches)):
             if not isinstance(degree, int) or degree < 1:
                 raise ValueError(f"replay_layout: {name}={degree!r} must be a positive int")
         degrees = {k: v for k, v in (("fsdp", fsdp), ("replicate", replicate), ("tp", tp),
-                                     ("dp", dp)) if v > 1}
+                                     ("dp", dp), ("pp", pp)) if v > 1}
         if set(degrees) == {"replicate"}:
             raise ValueError(f"replay_layout: replicate={replicate} is HSDP's replica degree "
                              "and needs fsdp > 1 (the shard degree); for plain data "
@@ -92,7 +100,7 @@ class StepTrace:
         if len(degrees) > 1 and set(degrees) not in ({"fsdp", "replicate"}, {"fsdp", "tp"}):
             several = " with ".join(f"{k}={v}" for k, v in degrees.items())
             raise ValueError(f"replay_layout: {several} is not replayed yet; replayed: fsdp, "
-                             "tp or dp alone, fsdp with replicate (HSDP), fsdp with tp")
+                             "tp, dp or pp alone, fsdp with replicate (HSDP), fsdp with tp")
         if mp_policy is not None and fsdp == 1:
             raise ValueError("replay_layout: mp_policy is FSDP2's MixedPrecisionPolicy and "
                              "needs fsdp > 1")
@@ -114,17 +122,20 @@ class StepTrace:
         if not self.modules:
             raise ValueError("replay_layout: the step was traced without its module; trace "
                              "it with plan.trace(device, module)")
+        if pp > 1:
+            from .replay_pp import replay_pp
+            return replay_pp(self, pp, pp_stages, schedule, microbatches, cfg, nodes)
         if tp > 1 and fsdp == 1:
             return replay_tp(self, tp, tp_plan, cfg, nodes)
         return replay_fsdp(self, fsdp, fsdp_units, cfg, nodes, replicate, tp, tp_plan,
                            mp_policy)
 
 
-def _tracker(flush, moved, root, calls: dict, root_inputs: list):
+def _tracker(flush, moved, root, calls: dict, root_inputs: list, outputs: dict):
     """A ModTracker that charges the device's work to the modules it ran under: the runtime
     aggregates op records between drains, so each module boundary first drains (``flush``),
     then notes the new set of active modules (``moved``); ``calls`` counts each module's
-    forward calls."""
+    forward calls, ``outputs`` keeps what each returned first (a pipeline stage sends it)."""
     from torch.distributed._tools.mod_tracker import ModTracker
 
     class _Tracker(ModTracker):
@@ -134,6 +145,13 @@ def _tracker(flush, moved, root, calls: dict, root_inputs: list):
                 root_inputs.extend((tuple(a.shape), a.dtype) for a in input
                                    if isinstance(a, torch.Tensor))
             return super()._fw_pre_hook(mod, input)
+
+        def _fw_post_hook(self, mod, input, output):
+            if mod not in outputs:
+                leaves = torch.utils._pytree.tree_leaves(output)
+                outputs[mod] = [(tuple(a.shape), a.dtype) for a in leaves
+                                if isinstance(a, torch.Tensor)]
+            return super()._fw_post_hook(mod, input, output)
 
         def _get_append_fn(self, w_mod, name, is_bw):
             return _around(super()._get_append_fn(w_mod, name, is_bw))
@@ -204,8 +222,8 @@ def trace(device=None, module: torch.nn.Module | None = None):
             where[0] = _innermost(tracker.parents, root_name)
             where[1] = tracker.is_bw
 
-        calls: dict = {}
-        tracker = _tracker(flush, moved, module, calls, out.root_inputs)
+        calls, outputs = {}, {}
+        tracker = _tracker(flush, moved, module, calls, out.root_inputs, outputs)
         out.params = {n: (tuple(p.shape), p.dtype) for n, p in module.named_parameters()}
         out.linears = {n: (m.in_features, m.out_features) for n, m in module.named_modules()
                        if isinstance(m, torch.nn.Linear)}
@@ -227,5 +245,6 @@ def trace(device=None, module: torch.nn.Module | None = None):
         cost_model._op_listeners.remove(on_op)
     if module is not None:
         out.forward_calls = {n: calls.get(m, 0) for n, m in module.named_modules()}
+        out.module_outputs = {n: outputs[m] for n, m in module.named_modules() if m in outputs}
     out.seconds, out.flops, out.hbm_bytes, out.launches, out.link_bytes = (
         t.seconds, t.flops, t.hbm_bytes, t.launches, t.link_bytes)

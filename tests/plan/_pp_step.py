@@ -1,0 +1,64 @@
+"""One pipeline-parallel training step of the two-block MLP of ``_replay_step`` on neuron:
+``torch.distributed.pipelining`` with one ``PipelineStage`` per rank (block i on rank i) and
+``ScheduleGPipe`` or ``Schedule1F1B`` over MICROBATCHES micro-batches, the "neuron" backend.
+``_pp_step.py SCHEDULE MICROBATCHES``; prints each rank's trace as JSON after "TRACE "."""
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import torch_neuronx
+from torch_neuronx import plan
+
+import _replay_step as step_script
+
+
+def loss_fn(out, target):
+    # the single-device step's loss, per micro-batch (the schedule averages the gradients)
+    return out.square().mean()
+
+
+def main():
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    schedule, m = sys.argv[1], int(sys.argv[2])
+    torch_neuronx.set_adaptive_eager(False)   # as _replay_step: the replay prices op by op
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("neuron")
+    dev = torch.device("neuron", rank)
+    torch.neuron.set_device(dev)
+    torch.manual_seed(0)
+    model = step_script.MLP(n=world)
+    block = model.blocks[rank].to(dev)
+    stage = PipelineStage(block, rank, world, dev)
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    sched = cls(stage, m, loss_fn=loss_fn)
+    opt = torch.optim.SGD(block.parameters(), lr=0.01)
+    x = torch.randn(step_script.TOKENS, step_script.DIM,
+                    generator=torch.Generator().manual_seed(0)).to(dev)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        if rank == 0:
+            sched.step(x)
+        elif rank == world - 1:
+            sched.step(target=x, losses=[])
+        else:
+            sched.step()
+        opt.step()
+
+    step()
+    step()
+    with plan.trace(dev, block) as t:
+        step()
+    out = {"seconds": t.seconds, "flops": t.flops, "collectives": t.collectives,
+           "ops": [[o.charge.name, o.charge.count, o.charge.seconds,
+                    [list(s) for s in o.charge.shapes or ()], o.module, o.backward,
+                    o.charge.bytes_in, o.charge.bytes_out] for o in t.ops]}
+    print("TRACE " + json.dumps(out), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Pipeline parallelism replayed from a step traced on one device: ``torch.distributed.pipelining``
+with one ``PipelineStage`` per rank and ``ScheduleGPipe`` or ``Schedule1F1B`` over M
+micro-batches (docs/plan.md, "Replaying a traced step").
+
+Each stage runs the traced ops of its modules (split by module boundary; the loss, computed
+outside the model, on the last stage) once per micro-batch, re-priced by the cost model with
+the batch dimension divided by M, and adds what the real ranks issue: the ``send``/``recv``
+of the activation (forward) and of its gradient (backward) per micro-batch, the ``add_``
+accumulating each gradient over micro-batches 2..M, the ``div_`` by M of every gradient
+(``scale_grads``), the last stage's ``cat`` of the M outputs, and the optimizer over the
+stage's parameters. That sum is the stage's busy time, what its rank's modelled clock
+reports. The step is the schedule's makespan: the stages' actions run in the schedule's
+order, a micro-batch's forward on stage s after it left stage s - 1, its backward after it
+left stage s + 1; ``bubble_seconds`` is a stage's idle time in it.
+"""
+from __future__ import annotations
+
+import math
+
+from .replay import (Replay, _is_optimizer, _local_bytes, _optimizer_op, _root_dim0,
+                     _split_op)
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def _stage_of(o, units: list) -> int | None:
+    """The stage whose modules ran ``o`` (None for an op outside the model)."""
+    if o.module is None:
+        return None
+    for s, names in enumerate(units):
+        if any(o.module == u or o.module.startswith(u + ".") for u in names):
+            return s
+    where = "the root module itself" if o.module == "" else f"module {o.module!r}"
+    raise ValueError(f"replay: {o.charge.name} ran in {where}, which is in no pipeline stage "
+                     f"(pp_stages={units}); the replay splits stages by module boundary")
+
+
+def _check(trace, pp: int, stages, schedule: str, m: int) -> tuple:
+    """(stage units as lists, the batch size split into micro-batches)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"replay: schedule={schedule!r}; replayed: {', '.join(SCHEDULES)}")
+    if stages is None or len(stages) != pp:
+        raise ValueError(f"replay: pp={pp} needs pp_stages, one module name (or list of names) "
+                         f"per stage, got {stages!r}")
+    units = [[s] if isinstance(s, str) else list(s) for s in stages]
+    for s, names in enumerate(units):
+        if not names:
+            raise ValueError(f"replay: pipeline stage {s} holds no module (pp_stages={stages})")
+    for u in (u for names in units for u in names):
+        if u not in trace.modules or u == "":
+            raise ValueError(f"replay: pp_stages names {u!r}, which is not a submodule of the "
+                             f"traced module")
+    if schedule == "1f1b" and m < pp:
+        raise ValueError(f"replay: Schedule1F1B needs microbatches >= pp, got {m} < {pp}")
+    batch = _root_dim0(trace, m, "microbatches")
+    for u in (names[-1] for names in units):
+        if trace.forward_calls.get(u, 0) != 1:
+            raise ValueError(f"replay: pipeline stage module {u!r} ran forward "
+                             f"{trace.forward_calls.get(u, 0)} times; replayed for one call")
+    return units, batch
+
+
+def _p2p_bytes(trace, unit: str, m: int) -> int:
+    """Bytes a stage ending in ``unit`` sends per micro-batch: its output, split on dim 0."""
+    outs = trace.module_outputs.get(unit) or []
+    if len(outs) != 1:
+        raise ValueError(f"replay: pipeline stage module {unit!r} returned {len(outs)} "
+                         f"tensors; one activation between stages is replayed")
+    shape, dtype = outs[0]
+    return math.prod(shape) // m * dtype.itemsize
+
+
+def replay_pp(trace, pp: int, stages, schedule: str, m: int, cfg, nodes: int) -> Replay:
+    """One Replay per stage (``.stages``); returned: the stage with the longest busy time."""
+    from ..cost_model import op_seconds
+    from ..distributed.collectives_model import collective_seconds
+    units, batch = _check(trace, pp, stages, schedule, m)
+    p, lnc = cfg
+    # a p2p goes through the pipeline group: the backend charges it as the group's (its
+    # price is one link's, over EFA when the group spans nodes)
+    p2p = lambda op, nbytes: collective_seconds(op, nbytes, pp, nodes, p, lnc)  # noqa: E731
+    link = [_p2p_bytes(trace, names[-1], m) for names in units[:-1]]
+    out = []
+    for s, names in enumerate(units):
+        r = Replay(f"pp={pp} {schedule} microbatches={m} stage={s}")
+        owned = {f for f in trace.params if any(f.startswith(u + ".") for u in names)}
+        local, full = _local_bytes(trace.params, lambda f, _, n: n if f in owned else 0)
+        fwd, bwd, tail = [], [], []   # per micro-batch forward and backward, then once
+        for o in trace.ops:
+            c = o.charge
+            if c.engine == "collective":
+                raise ValueError(f"replay: the traced step issued {c.name}; pp is replayed "
+                                 f"from a step traced without collectives")
+            if _is_optimizer(c.name):
+                tail.append((o, *_optimizer_op(o, local / full, cfg, trace.params)))
+                continue
+            where = _stage_of(o, units)
+            if where == s or (where is None and s == pp - 1):   # the loss: last stage
+                (bwd if o.backward else fwd).append((o, *_split_op(o, batch, m, cfg)))
+        grads = []   # each gradient accumulated over micro-batches 2..m, then divided by m
+        for f in sorted(owned):
+            shape, dtype = trace.params[f]
+            nb = math.prod(shape) * dtype.itemsize
+            grads.append(("add_", f, [shape, shape], dtype, 2 * nb, nb))
+            if m > 1:
+                tail.append((None, "div_", f, op_seconds(p, lnc, "div_", [shape], dtype,
+                                                          nb, nb)[0]))
+        if s == pp - 1 and m > 1:
+            # the schedule merges the M outputs of the last stage (the runtime keeps 3 shapes)
+            shape, dtype = trace.module_outputs[""][0]
+            mb = (shape[0] // m, *shape[1:])
+            nb = math.prod(shape) * dtype.itemsize
+            tail.append((None, "cat", "", op_seconds(p, lnc, "cat", [mb] * min(m, 3), dtype,
+                                                      nb, nb)[0]))
+        r._actions = _actions(r, s, pp, m, schedule, fwd, bwd, grads, link, p2p, cfg)
+        for o, *rest in tail:
+            if o is None:
+                name, module, seconds = rest
+                r._op(name, module, True, seconds)
+            else:
+                r._op(o.charge.name, o.module, o.backward, *rest)
+        out.append(r)
+    makespan = _makespan(out, pp, m, schedule)
+    for r in out:
+        busy = r.device_seconds + r.collective_seconds
+        r.bubble_seconds = makespan - busy
+        r.seconds = makespan
+        r.stages = out
+        del r._actions
+    return max(out, key=lambda r: r.device_seconds + r.collective_seconds)
+
+
+def _actions(r: Replay, s: int, pp: int, m: int, schedule: str, fwd, bwd, grads, link, p2p,
+             cfg) -> dict:
+    """Adds stage ``s``'s per-micro-batch work to ``r`` in the schedule's order; returns each
+    action's seconds, ("F" | "B", micro-batch) -> seconds."""
+    from ..cost_model import op_seconds
+    p, lnc = cfg
+    seconds = {}
+    for kind, i in _order(schedule, s, pp, m):
+        t0 = r.device_seconds + r.collective_seconds
+        # forward: receive the activation, compute, send it on; backward: receive the
+        # gradient of the output, compute (accumulating into the gradients after the first
+        # micro-batch), send the gradient of the input back
+        recv, send = (s - 1, s) if kind == "F" else (s, s - 1)
+        if 0 <= recv < pp - 1:
+            r._collective("recv", link[recv], pp, p2p("recv", link[recv]))
+        for o, sec, flops in (fwd if kind == "F" else bwd):
+            r._op(o.charge.name, o.module, kind == "B", sec, flops)
+        if kind == "B" and i > 0:
+            for name, fqn, shapes, dtype, nin, nout in grads:
+                r._op(name, fqn, True, op_seconds(p, lnc, name, shapes, dtype, nin, nout)[0])
+        if 0 <= send < pp - 1:
+            r._collective("send", link[send], pp, p2p("send", link[send]))
+        seconds[kind, i] = r.device_seconds + r.collective_seconds - t0
+    return seconds
+
+
+def _order(schedule: str, s: int, pp: int, m: int) -> list:
+    """Stage ``s``'s actions in the order torch.distributed.pipelining runs them."""
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    # Schedule1F1B: min(m, pp - s) forwards, then one backward and one forward until the
+    # forwards are done, then the remaining backwards
+    warm = min(m, pp - s)
+    order = [("F", i) for i in range(warm)]
+    f = warm
+    for b in range(m):
+        order.append(("B", b))
+        if f < m:
+            order.append(("F", f))
+            f += 1
+    return order
+
+
+def _makespan(stages: list, pp: int, m: int, schedule: str) -> float:
+    """The step's end: each stage runs its actions in order, a forward after the previous
+    stage's forward of that micro-batch ended, a backward after the next stage's backward
+    (the last stage's after its own forward); then its work outside the micro-batches."""
+    end = {}
+    pending = {s: _order(schedule, s, pp, m) for s in range(pp)}
+    clock = [0.0] * pp
+    while any(pending.values()):
+        moved = False
+        for s in range(pp):
+            while pending[s]:
+                kind, i = pending[s][0]
+                dep = ((s - 1, "F", i) if kind == "F" and s > 0 else
+                       (s + 1, "B", i) if kind == "B" and s < pp - 1 else None)
+                if dep is not None and dep not in end:
+                    break
+                start = max(clock[s], end[dep] if dep else 0.0)
+                clock[s] = end[s, kind, i] = start + stages[s]._actions[kind, i]
+                pending[s].pop(0)
+                moved = True
+        if not moved:
+            raise RuntimeError(f"replay: the {schedule} schedule deadlocked (pp={pp}, m={m})")
+    busy = [r.device_seconds + r.collective_seconds for r in stages]
+    actions = [sum(r._actions.values()) for r in stages]
+    return max(c + b - a for c, b, a in zip(clock, busy, actions))
