@@ -109,7 +109,7 @@ class Sim:
         if self.timing:
             self.tl.compute(name, engine, cycles, [t.box() for t in reads], [t.box() for t in writes])
 
-    def dma(self, name, dst, src, efficiency=1.0):
+    def dma(self, name, dst, src, efficiency=1.0, transpose=False):
         self.count += 1
         if _touches_busy((src,), (dst,)):
             drain()
@@ -122,7 +122,7 @@ class Sim:
             rows = onchip.shape[0] if onchip.kind != "hbm" else math.prod(dst.shape[:-1]) or 1
             row_bytes = max(1, nbytes // max(rows, 1))
             self.tl.dma(name, nbytes, rows, row_bytes, "hbm" in (dst.kind, src.kind),
-                        [src.box()], [dst.box()], efficiency)
+                        [src.box()], [dst.box()], efficiency, transpose=transpose)
 
     def ns(self, engine, cycles):
         return self.tl.compute_ns(engine, cycles) if self.tl else 0.0

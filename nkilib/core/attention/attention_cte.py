@@ -33,7 +33,7 @@ from ..utils.pipeline import pipeline as _pipeline
 
 _NEG = -3.0e38          # masked score: exp() of it underflows to 0
 _BANK = 512             # fp32 scores per PSUM bank (2 KiB per partition): one matmul's output
-_SECTION = 512          # keys per online-softmax step
+_INTERLEAVE = 4         # query groups whose sections alternate in the pipeline
 _KV_RESIDENT = 96 * 1024  # bytes per partition K and V may hold in SBUF for a whole batch
 
 
@@ -83,9 +83,8 @@ def attention_cte(q, k, v, scale=1.0, causal_mask=True, k_prior=None, v_prior=No
     cfg = _Cfg(q=q, k=k, v=v, out=out, d=d, Sq=Sq, Skv=Skv, tp_q=tp_q, tp_k=tp_k,
                tp_out=tp_out, causal=causal_mask, window=window, lscale=lscale, cap=cap,
                p_dtype=p_dtype, resident=resident, kv=None, masks={},
-               # ticks between the stages after the scores: 2 overlaps more units, but fp32
-               # P tiles take twice the PSUM, which then holds fewer units
-               late=1 if fp32 else 2,
+               # keys per online-softmax step and ticks between stages (see the rings)
+               section=_BANK, gap=2,
                cache=(neg_max, sum_recip) if cache_softmax else None)
     groups = []
     for b in range(B):
@@ -95,22 +94,51 @@ def attention_cte(q, k, v, scale=1.0, causal_mask=True, k_prior=None, v_prior=No
             x = _Group(b=b, kb=b // group, g=g, q0=g * P, r=min(P, Sq - g * P))
             x.hi = min(Skv, x.q0 + x.r) if causal_mask else Skv
             x.lo = max(0, x.q0 - window + 1) // P * P if window else 0
-            x.secs = list(range(x.lo, x.hi, _SECTION))
+            x.secs = list(range(x.lo, x.hi, cfg.section))
             groups.append(x)
-    units = [(x, s0, j == 0, j == len(x.secs) - 1) for x in groups for j, s0 in enumerate(x.secs)]
+    units = _interleave(groups, _INTERLEAVE)
     # PSUM in rings of slots, taken in turn by consecutive units: a slot is written again
     # only after the unit that used it last has issued its reads (the pipeline's fixed
     # stage offsets guarantee it for these ring sizes), and an allocator never fragments
     # PSUM into pieces no 2 KiB score tile fits.
-    ns = 3 if fp32 else 4
-    cfg.s_ring = nl.ndarray((P, ns, _BANK), dtype=nl.float32, buffer=nl.psum)
-    cfg.pt_ring = nl.ndarray((P, 3, _SECTION // P, P), dtype=p_dtype, buffer=nl.psum)
+    # A unit starts every tick, its stages two ticks apart (so a stage's inputs come from
+    # two units back and the semaphore waits overlap): scores are held from their matmul to
+    # the exp (2 gaps, 5 slots; 4 for fp32, whose P tiles take twice the PSUM), P^T from
+    # its transposes to its copy, the P.V accumulator for 1 gap. Longer sections (1024
+    # keys, half the per-section bookkeeping per key) measured slower: two 4 KiB score
+    # slots fit, and a slot is reused only after the three engine hand-offs of its unit.
+    cfg.s_ring = nl.ndarray((P, 4 if fp32 else 5, cfg.section), dtype=nl.float32, buffer=nl.psum)
+    cfg.pt_ring = nl.ndarray((P, 2 if fp32 else 3, cfg.section // P, P), dtype=p_dtype, buffer=nl.psum)
     cfg.pv_ring = nl.ndarray((P, 3, d), dtype=nl.float32, buffer=nl.psum)
     cfg.t_ring = {}
+    cfg.pt_modes = _pt_modes(p_dtype)
     _pipeline([_unit(cfg, i, *u) for i, u in enumerate(units)])
     if cache_softmax:
         return out, neg_max, sum_recip
     return out
+
+
+def _interleave(groups, n):
+    """(group, section start, first, last) units, sections of ``n`` groups at a time taken
+    in turn: consecutive units then belong to different groups, so one group's chain of
+    running statistics does not serialise the pipeline."""
+    units, blocks = [], []
+    for x in groups:      # a block shares one kv batch: K and V stay resident per batch
+        if blocks and len(blocks[-1]) < n and blocks[-1][0].kb == x.kb:
+            blocks[-1].append(x)
+        else:
+            blocks.append([x])
+    for block in blocks:
+        for j in range(max(len(x.secs) for x in block)):
+            units += [(x, x.secs[j], j == 0, j == len(x.secs) - 1) for x in block if j < len(x.secs)]
+    return units
+
+
+def _pt_modes(p_dtype):
+    """The engine that copies consecutive units' P^T out of PSUM, in turn: VectorE (the max
+    reductions) and ScalarE (the exps) share it. DMA transposes (AWS's choice) measured
+    slower in the model: one takes all 16 queues at half their rate, 1.3 us per unit."""
+    return ("vector", "scalar")
 
 
 def _scratch(c, rows, cols, dtype):
@@ -124,92 +152,97 @@ def _scratch(c, rows, cols, dtype):
 
 
 def _unit(c, i, x, s0, first, last):
-    """One query group against one section of keys, as stages separated by ``yield``."""
+    """One query group against one section of keys, as stages separated by ``yield``.
+
+    VectorE bounds the forward (it alone can reduce a row maximum out of PSUM), so it does
+    only that, the running maximum and the output update; the running sum is a (128, 1) op on
+    GpSimd, and the exp's row sum comes out of the activation instruction itself. Stages are
+    ``c.gap`` ticks apart, so a stage's inputs come from several units back and the
+    cross-engine semaphore waits overlap other units' work."""
     P = nl.tile_size.pmax
     r, d = x.r, c.d
-    w = min(_SECTION, x.hi - s0)
+    w = min(c.section, x.hi - s0)
     if first:      # the queries first: K and V of a new batch take longer
         x.qT = _load_qT(c, x.b, x.q0, r, d)
         if c.resident and (c.kv is None or c.kv[0] != x.kb):
             c.kv = (x.kb,) + _load_kv(c, x.kb, 0, c.Skv, d)
-        x.m = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=x.m, value=_NEG)
+        # nb: -ls * (running row maximum), the exp's bias
+        x.nb = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=x.nb, value=-_NEG, engine=nisa.gpsimd_engine)
         x.l_sum = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=x.l_sum, value=0.0)
+        nisa.memset(dst=x.l_sum, value=0.0, engine=nisa.gpsimd_engine)
         x.acc = nl.ndarray((r, d), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=x.acc, value=0.0)
+        nisa.memset(dst=x.acc, value=0.0, engine=nisa.gpsimd_engine)
     if c.resident:   # k_t is the batch's K, kc its column of key s0
         k_t, v_t, vb0, kc = c.kv[1], c.kv[2], s0 // P, s0
     else:
         k_t, v_t = _load_kv(c, x.kb, s0, w, d)
         vb0 = kc = 0
-    yield 1
+    yield c.gap
     # TensorE: the scores, one PSUM bank per 512 keys
     s_ps = c.s_ring[0:r, i % c.s_ring.shape[1], 0:w]
     for col in range(0, w, _BANK):
         cw = min(_BANK, w - col)
         nisa.nc_matmul(dst=s_ps[:, col:col + cw], stationary=x.qT,
                        moving=k_t[:, kc + col:kc + col + cw])
-    yield 1
+    yield c.gap
     src, ls = s_ps, c.lscale
     if c.cap:
         t = nl.ndarray((r, w), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=t, op=nl.tanh, data=s_ps, scale=c.lscale / c.cap)
         src, ls = t, float(c.cap)
-        yield 1
+        yield c.gap
     src = _mask(c, src, s_ps, s0, w, x.q0, r)
-    # VectorE: the row maximum and the new running maximum
-    mx = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=mx, op=nl.max, data=src, axis=1)
-    m_old, x.m = x.m, nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=x.m, data1=m_old, data2=mx, op=nl.maximum)
-    m_new = x.m
-    x.ls = ls
-    yield 1
-    # ScalarE: exp(ls * (s - m_new)) with its row sum, and the correction of the old terms
-    bias = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=bias, op=nl.copy, data=m_new, scale=-ls)
+    # VectorE: the negated row maximum and the new bias min(nb, -ls * max)
+    nmx = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=nmx, op=nl.max, data=src, axis=1, negate=True)
+    nb_old, x.nb = x.nb, nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=x.nb, data=nmx, op0=nl.multiply, operand0=ls, op1=nl.minimum,
+                       operand1=nb_old)
+    nb = x.nb
+    yield c.gap
+    # ScalarE: exp(ls * s + nb) with its row sum, and the correction exp(nb - nb_old)
+    n_blk = (w + P - 1) // P
     p = nl.ndarray((r, w), dtype=c.p_dtype, buffer=nl.sbuf)
     row = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=p, op=nl.exp, data=src, scale=ls, bias=bias, reduce_op=nl.add,
+    nisa.activation(dst=p, op=nl.exp, data=src, scale=ls, bias=nb, reduce_op=nl.add,
                     reduce_res=row)
     corr = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=corr, op=nl.exp, data=m_old, scale=ls, bias=bias)
+    nisa.activation(dst=corr, op=nl.exp, data=nb_old, scale=-1.0, bias=nb)
     del src, s_ps
-    yield c.late
-    # TensorE: each 128-key block of P transposed, keys onto partitions
-    n_blk = (w + P - 1) // P
-    pT_ps = []
+    yield c.gap
+    # TensorE: P transposed, keys onto partitions, into one PSUM tile that a single copy
+    # (VectorE or ScalarE, in turn) brings to SBUF
+    t_ps = c.pt_ring[0:P, i % c.pt_ring.shape[1], 0:n_blk, 0:r]
     for j in range(n_blk):
         kw = min(P, w - j * P)
-        t_ps = c.pt_ring[0:kw, i % c.pt_ring.shape[1], j, 0:r]
-        nisa.nc_transpose(dst=t_ps, data=p[:, j * P:j * P + kw])
-        pT_ps.append(t_ps)
-    nisa.scalar_tensor_tensor(dst=x.l_sum, data=x.l_sum, op0=nl.multiply, operand0=corr,
-                              op1=nl.add, operand1=row)
-    yield c.late
-    # to SBUF, on VectorE and ScalarE in turn
-    pT = []
-    for j, t_ps in enumerate(pT_ps):
-        t = nl.ndarray(tuple(t_ps.shape), dtype=c.p_dtype, buffer=nl.sbuf)
-        if j % 2:
-            nisa.activation(dst=t, op=nl.copy, data=t_ps)
-        else:
-            nisa.tensor_copy(dst=t, src=t_ps)
-        pT.append(t)
-    del pT_ps
-    yield c.late
+        nisa.nc_transpose(dst=t_ps[0:kw, j, :], data=p[:, j * P:j * P + kw])
+    nisa.tensor_scalar(dst=x.l_sum, data=x.l_sum, op0=nl.multiply, operand0=corr,
+                       op1=nl.add, operand1=row, engine=nisa.gpsimd_engine)
+    yield c.gap
+    pT = nl.ndarray((P, n_blk, r), dtype=c.p_dtype, buffer=nl.sbuf)
+    full = w // P
+    eng = nisa.scalar_engine if c.pt_modes[i % len(c.pt_modes)] == "scalar" else nisa.vector_engine
+    if full:
+        nisa.tensor_copy(dst=pT[:, 0:full, :], src=t_ps[:, 0:full, :], engine=eng)
+    if full < n_blk:      # a last block of fewer keys
+        kw = w - full * P
+        nisa.tensor_copy(dst=pT[0:kw, full, :], src=t_ps[0:kw, full, :], engine=eng)
+    blocks = [pT[0:min(P, w - j * P), j, :] for j in range(n_blk)]
+    del t_ps
+    yield c.gap
     # TensorE: P @ V into one PSUM accumulator
     pv = c.pv_ring[0:r, i % c.pv_ring.shape[1], :]
-    for j, t in enumerate(pT):
-        nisa.nc_matmul(dst=pv, stationary=t, moving=v_t[0:t.shape[0], vb0 + j, :],
+    for j, t in enumerate(blocks):
+        kw = min(P, w - j * P)
+        nisa.nc_matmul(dst=pv, stationary=t[0:kw, :], moving=v_t[0:kw, vb0 + j, :],
                        accumulate=j > 0)
-    del pT
-    yield c.late
+    del blocks, pT
+    yield c.gap
     nisa.scalar_tensor_tensor(dst=x.acc, data=x.acc, op0=nl.multiply, operand0=corr,
                               op1=nl.add, operand1=pv)
     if last:
-        yield c.late
+        yield c.gap
         _finish(c, x, d)
 
 
@@ -263,7 +296,7 @@ def _finish(c, x, d):
         if r < P:      # rows past the sequence: the padding AWS's layout carries
             nisa.memset(dst=nm, value=0.0)
             nisa.memset(dst=sr, value=0.0)
-        nisa.tensor_scalar(dst=nm[0:r, :], data=x.m, op0=nl.multiply, operand0=-x.ls)
+        nisa.tensor_copy(dst=nm[0:r, :], src=x.nb)
         nisa.tensor_copy(dst=sr[0:r, :], src=inv)
         nisa.dma_copy(dst=neg_max[b, :, g:g + 1], src=nm)
         nisa.dma_copy(dst=sum_recip[b, :, g:g + 1], src=sr)
