@@ -108,3 +108,47 @@ def test_attention_cte_within_tensor_engine_roofline(target, causal):
     peak_ns = flops / (get_profile(target).core_tflops["bfloat16"] * 1e12) * 1e9
     assert r.latency_ns >= peak_ns, (r.latency_ns, peak_ns)
     assert r.engine_busy_ns["tensor"] <= r.latency_ns
+
+
+def _masked_reference(q, k, v, scale, causal, window, cap):
+    """q (B, Sq, d), k and v (Bkv, Skv, d) -> softmax(s) v and logsumexp(s) for the masked,
+    capped scores s."""
+    g = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
+    s = q @ k.transpose(-1, -2) * scale
+    if cap:
+        s = cap * torch.tanh(s / cap)
+    i, j = torch.arange(q.shape[1])[:, None], torch.arange(k.shape[1])[None]
+    mask = (j > i) if causal else torch.zeros_like(j > i)
+    if window:
+        mask = mask | (j < i - window + 1)
+    s = s.masked_fill(mask, -math.inf)
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", [  # B, Bkv, S, d, causal, window, softcap
+    (4, 2, 200, 32, True, 0, None), (1, 1, 1100, 64, True, 300, None),
+    (2, 2, 700, 64, False, 0, 30.0), (1, 1, 640, 128, False, 0, None)],
+    ids=lambda c: "-".join(map(str, c)))
+def test_attention_cte_trn3_fast_exp_matches_torch(case, dtype):
+    """On NeuronCore-v4 the kernel takes the row maximum on ScalarE (Activation2) and the
+    exp on VectorE (exponential): same results as PyTorch on CPU."""
+    B, Bkv, S, d, causal, window, cap = case
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(*sh, generator=g) for sh in ((B, S, d), (Bkv, S, d), (Bkv, S, d)))
+    if dtype == "bfloat16":
+        q, k, v = (t.to(torch.bfloat16).float() for t in (q, k, v))
+    cast = (lambda t: t.numpy().astype(BF16)) if dtype == "bfloat16" else (lambda t: t.numpy())
+    scale = d ** -0.5
+    r = nki.benchmark(attention_cte, target="trn3")(
+        cast(q), cast(k.transpose(1, 2).contiguous()), cast(v), scale=scale, causal_mask=causal,
+        sliding_window=window, logit_softcap=cap, cache_softmax=True)
+    out, neg_max, sum_recip = r.outputs
+    ref, lse = _masked_reference(q, k, v, scale, causal, window, cap)
+    tol = 2e-5 if dtype == "float32" else 2e-2
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref.numpy(), atol=tol, rtol=tol)
+    with np.errstate(divide="ignore"):     # padding rows past the sequence hold 0
+        got = -(np.asarray(neg_max) + np.log(np.asarray(sum_recip)))  # (B, 128, groups)
+    got = got.transpose(0, 2, 1).reshape(B, -1)[:, :S]
+    np.testing.assert_allclose(got, lse.numpy(), atol=1e-4, rtol=1e-4)

@@ -83,8 +83,7 @@ def attention_cte(q, k, v, scale=1.0, causal_mask=True, k_prior=None, v_prior=No
     cfg = _Cfg(q=q, k=k, v=v, out=out, d=d, Sq=Sq, Skv=Skv, tp_q=tp_q, tp_k=tp_k,
                tp_out=tp_out, causal=causal_mask, window=window, lscale=lscale, cap=cap,
                p_dtype=p_dtype, resident=resident, kv=None, masks={},
-               # keys per online-softmax step and ticks between stages (see the rings)
-               section=_BANK, gap=2,
+               section=_BANK,      # keys per online-softmax step
                cache=(neg_max, sum_recip) if cache_softmax else None)
     groups = []
     for b in range(B):
@@ -97,20 +96,28 @@ def attention_cte(q, k, v, scale=1.0, causal_mask=True, k_prior=None, v_prior=No
             x.secs = list(range(x.lo, x.hi, cfg.section))
             groups.append(x)
     units = _interleave(groups, _INTERLEAVE)
-    # PSUM in rings of slots, taken in turn by consecutive units: a slot is written again
-    # only after the unit that used it last has issued its reads (the pipeline's fixed
-    # stage offsets guarantee it for these ring sizes), and an allocator never fragments
-    # PSUM into pieces no 2 KiB score tile fits.
-    # A unit starts every tick, its stages two ticks apart (so a stage's inputs come from
-    # two units back and the semaphore waits overlap): scores are held from their matmul to
-    # the exp (2 gaps, 5 slots; 4 for fp32, whose P tiles take twice the PSUM), P^T from
-    # its transposes to its copy, the P.V accumulator for 1 gap. Longer sections (1024
-    # keys, half the per-section bookkeeping per key) measured slower: two 4 KiB score
-    # slots fit, and a slot is reused only after the three engine hand-offs of its unit.
-    cfg.s_ring = nl.ndarray((P, 4 if fp32 else 5, cfg.section), dtype=nl.float32, buffer=nl.psum)
-    cfg.pt_ring = nl.ndarray((P, 2 if fp32 else 3, cfg.section // P, P), dtype=p_dtype, buffer=nl.psum)
-    cfg.pv_ring = nl.ndarray((P, 3, d), dtype=nl.float32, buffer=nl.psum)
+    # NeuronCore-v4: ScalarE's Activation2 reduces a maximum and VectorE's exponential runs
+    # at 4x activation's rate, so the max moves to ScalarE and the exp to VectorE
+    cfg.fast_exp = nisa.get_nc_version() == nisa.nc_version.gen4
+    # PSUM in rings of slots, taken in turn by consecutive units (an allocator would
+    # fragment PSUM into pieces no 2 KiB score tile fits). A unit starts every tick and its
+    # stages are ``gap`` ticks apart, so a stage's inputs come from ``gap`` units back and
+    # the 1.3 us semaphore waits overlap other units' work. A slot may be written again in
+    # the tick its last reader issues (older units issue first): the scores, read up to
+    # two stages after their matmul (one on NeuronCore-v4, where ScalarE copies them out
+    # with their maximum), take 2 (1) x gap slots, P^T and the P.V accumulator gap slots.
+    # The fast-exp kernel has room in PSUM for gap 4, which its shorter engine work needs.
+    reads = 2 if cap or not cfg.fast_exp else 1
+    cfg.gap = gap = 4 if reads == 1 and not fp32 else 2
+    # Where PSUM has room (16-bit P, gap 2), one more slot per ring lets TensorE run ahead
+    # of the engine that last read a slot by a semaphore wait.
+    more = int(gap == 2 and not fp32)
+    cfg.s_ring = nl.ndarray((P, reads * gap + more, cfg.section), dtype=nl.float32, buffer=nl.psum)
+    cfg.pt_ring = nl.ndarray((P, gap + more, cfg.section // P, P), dtype=p_dtype, buffer=nl.psum)
+    cfg.pv_ring = nl.ndarray((P, gap + more, d), dtype=nl.float32, buffer=nl.psum)
     cfg.t_ring = {}
+    # the queries' transposes: held one gap, by up to _INTERLEAVE consecutive first units
+    cfg.q_ring = [nl.ndarray((P, gap + 1, P), dtype=q.dtype, buffer=nl.psum), 0]
     cfg.pt_modes = _pt_modes(p_dtype)
     _pipeline([_unit(cfg, i, *u) for i, u in enumerate(units)])
     if cache_softmax:
@@ -162,13 +169,15 @@ def _unit(c, i, x, s0, first, last):
     P = nl.tile_size.pmax
     r, d = x.r, c.d
     w = min(c.section, x.hi - s0)
-    if first:      # the queries first: K and V of a new batch take longer
-        x.qT = _load_qT(c, x.b, x.q0, r, d)
+    qload = _load_qT(c, x, r, d) if first else iter((None, None, None))
+    next(qload)
+    if first:      # K and V of a new batch with the queries
         if c.resident and (c.kv is None or c.kv[0] != x.kb):
             c.kv = (x.kb,) + _load_kv(c, x.kb, 0, c.Skv, d)
-        # nb: -ls * (running row maximum), the exp's bias
+        # the running row maximum of the scaled scores, negated (the exp's bias) unless
+        # VectorE's exponential subtracts it
         x.nb = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=x.nb, value=-_NEG, engine=nisa.gpsimd_engine)
+        nisa.memset(dst=x.nb, value=_NEG if c.fast_exp else -_NEG, engine=nisa.gpsimd_engine)
         x.l_sum = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=x.l_sum, value=0.0, engine=nisa.gpsimd_engine)
         x.acc = nl.ndarray((r, d), dtype=nl.float32, buffer=nl.sbuf)
@@ -178,6 +187,9 @@ def _unit(c, i, x, s0, first, last):
     else:
         k_t, v_t = _load_kv(c, x.kb, s0, w, d)
         vb0 = kc = 0
+    for _ in range(2):       # every unit, so that all units' stages keep the same offsets
+        yield c.gap
+        next(qload, None)
     yield c.gap
     # TensorE: the scores, one PSUM bank per 512 keys
     s_ps = c.s_ring[0:r, i % c.s_ring.shape[1], 0:w]
@@ -193,22 +205,35 @@ def _unit(c, i, x, s0, first, last):
         src, ls = t, float(c.cap)
         yield c.gap
     src = _mask(c, src, s_ps, s0, w, x.q0, r)
-    # VectorE: the negated row maximum and the new bias min(nb, -ls * max)
-    nmx = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=nmx, op=nl.max, data=src, axis=1, negate=True)
+    mx = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
     nb_old, x.nb = x.nb, nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=x.nb, data=nmx, op0=nl.multiply, operand0=ls, op1=nl.minimum,
-                       operand1=nb_old)
+    if c.fast_exp:   # ScalarE: the scaled scores to SBUF with their row maximum
+        ss = nl.ndarray((r, w), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activate2(dst=ss, op=nl.copy, data=src, imm0=ls, imm1=0.0, op0=nl.multiply,
+                       op1=None, reduce_op=nl.maximum, reduce_res=mx,
+                       reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    else:            # VectorE: the negated row maximum and the bias min(nb, -ls * max)
+        nisa.tensor_reduce(dst=mx, op=nl.max, data=src, axis=1, negate=True)
+        nisa.tensor_scalar(dst=x.nb, data=mx, op0=nl.multiply, operand0=ls, op1=nl.minimum,
+                           operand1=nb_old)
     nb = x.nb
     yield c.gap
-    # ScalarE: exp(ls * s + nb) with its row sum, and the correction exp(nb - nb_old)
+    # exp(ls * s - max) with its row sum, and the correction exp(max_old - max)
     n_blk = (w + P - 1) // P
     p = nl.ndarray((r, w), dtype=c.p_dtype, buffer=nl.sbuf)
     row = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=p, op=nl.exp, data=src, scale=ls, bias=nb, reduce_op=nl.add,
-                    reduce_res=row)
     corr = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=corr, op=nl.exp, data=nb_old, scale=-1.0, bias=nb)
+    if c.fast_exp:   # on VectorE, at 4x ScalarE's rate, after the running maximum (here, not
+        # with the ScalarE copy: VectorE would wait a semaphore on it in the same stage)
+        nisa.tensor_tensor(dst=nb, data1=nb_old, data2=mx, op=nl.maximum)
+        nisa.exponential(dst=p, src=ss, max_value=nb, reduce_res=row,
+                         reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        nisa.exponential(dst=corr, src=nb_old, max_value=nb)
+        del ss
+    else:            # on ScalarE
+        nisa.activation(dst=p, op=nl.exp, data=src, scale=ls, bias=nb, reduce_op=nl.add,
+                        reduce_res=row)
+        nisa.activation(dst=corr, op=nl.exp, data=nb_old, scale=-1.0, bias=nb)
     del src, s_ps
     yield c.gap
     # TensorE: P transposed, keys onto partitions, into one PSUM tile that a single copy
@@ -296,25 +321,35 @@ def _finish(c, x, d):
         if r < P:      # rows past the sequence: the padding AWS's layout carries
             nisa.memset(dst=nm, value=0.0)
             nisa.memset(dst=sr, value=0.0)
-        nisa.tensor_copy(dst=nm[0:r, :], src=x.nb)
+        if c.fast_exp:
+            nisa.tensor_scalar(dst=nm[0:r, :], data=x.nb, op0=nl.multiply, operand0=-1.0)
+        else:
+            nisa.tensor_copy(dst=nm[0:r, :], src=x.nb)
         nisa.tensor_copy(dst=sr[0:r, :], src=inv)
         nisa.dma_copy(dst=neg_max[b, :, g:g + 1], src=nm)
         nisa.dma_copy(dst=sum_recip[b, :, g:g + 1], src=sr)
 
 
-def _load_qT(c, b, q0, r, d):
-    """The query group transposed, head dim on partitions: the stationary operand."""
+def _load_qT(c, x, r, d):
+    """The query group transposed, head dim on partitions (the stationary operand), in three
+    stages a gap apart: the DMA, the TensorE transpose, the copy out of PSUM. Engines run in
+    program order, so in one stage each would wait for the one before."""
     q = c.q
-    qT = nl.ndarray((d, r), dtype=q.dtype, buffer=nl.sbuf)
+    x.qT = nl.ndarray((d, r), dtype=q.dtype, buffer=nl.sbuf)
     if not c.tp_q:
-        nisa.dma_copy(dst=qT, src=q[b, :, q0:q0 + r])
-        return qT
+        nisa.dma_copy(dst=x.qT, src=q[x.b, :, x.q0:x.q0 + r])
+        yield
+        yield
+        return
     q_sb = nl.ndarray((r, d), dtype=q.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=q_sb, src=q[b, q0:q0 + r, :])
-    t_ps = _scratch(c, d, r, q.dtype)
+    nisa.dma_copy(dst=q_sb, src=q[x.b, x.q0:x.q0 + r, :])
+    yield
+    ring = c.q_ring
+    ring[1] = (ring[1] + 1) % ring[0].shape[1]
+    t_ps = ring[0][0:d, ring[1], 0:r]
     nisa.nc_transpose(dst=t_ps, data=q_sb)
-    nisa.tensor_copy(dst=qT, src=t_ps)
-    return qT
+    yield
+    nisa.activation(dst=x.qT, op=nl.copy, data=t_ps)
 
 
 def _load_kv(c, kb, s0, n, d):
