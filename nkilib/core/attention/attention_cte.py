@@ -119,6 +119,12 @@ def attention_cte(q, k, v, scale=1.0, causal_mask=True, k_prior=None, v_prior=No
     # the queries' transposes: held one gap, by up to _INTERLEAVE consecutive first units
     cfg.q_ring = [nl.ndarray((P, gap + 1, P), dtype=q.dtype, buffer=nl.psum), 0]
     cfg.pt_modes = _pt_modes(p_dtype)
+    # Masks cut the diagonal sections: with 16-bit inputs and no soft-cap (which must see
+    # the unmasked scores) TensorE, which has time to spare, adds the mask into the scores'
+    # PSUM as a bf16 matmul by the identity; else VectorE adds it as it reads the scores.
+    cfg.mask_on_tensor = not fp32 and not cap
+    cfg.mask_dtype = nl.bfloat16 if cfg.mask_on_tensor else nl.float32
+    cfg.ident = None
     _pipeline([_unit(cfg, i, *u) for i, u in enumerate(units)])
     if cache_softmax:
         return out, neg_max, sum_recip
@@ -193,10 +199,14 @@ def _unit(c, i, x, s0, first, last):
     yield c.gap
     # TensorE: the scores, one PSUM bank per 512 keys
     s_ps = c.s_ring[0:r, i % c.s_ring.shape[1], 0:w]
+    mask = _mask_tile(c, s0, w, x.q0, r) if c.mask_on_tensor else None
     for col in range(0, w, _BANK):
         cw = min(_BANK, w - col)
         nisa.nc_matmul(dst=s_ps[:, col:col + cw], stationary=x.qT,
                        moving=k_t[:, kc + col:kc + col + cw])
+        if mask is not None:     # + I @ mask: exact in the fp32 accumulation
+            nisa.nc_matmul(dst=s_ps[:, col:col + cw], stationary=_identity(c)[:, 0:r],
+                           moving=mask[:, col:col + cw], accumulate=True)
     yield c.gap
     src, ls = s_ps, c.lscale
     if c.cap:
@@ -204,7 +214,7 @@ def _unit(c, i, x, s0, first, last):
         nisa.activation(dst=t, op=nl.tanh, data=s_ps, scale=c.lscale / c.cap)
         src, ls = t, float(c.cap)
         yield c.gap
-    src = _mask(c, src, s_ps, s0, w, x.q0, r)
+    src = _mask(c, src, s0, w, x.q0, r)
     mx = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
     nb_old, x.nb = x.nb, nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
     if c.fast_exp:   # ScalarE: the scaled scores to SBUF with their row maximum
@@ -271,20 +281,20 @@ def _unit(c, i, x, s0, first, last):
         _finish(c, x, d)
 
 
-def _mask(c, src, s_ps, s0, w, q0, r):
-    """The section's logits with the causal and window masks added where they cut through
-    it: an add of a 0/-inf tile made once per (offset, width) on GpSimd, read by VectorE
-    with the scores in PSUM (masks only depend on where the section sits)."""
+def _mask_tile(c, s0, w, q0, r):
+    """The 0/-inf tile of the causal and window masks where they cut through the section,
+    or None; made once per (offset, width) on GpSimd (masks only depend on where the
+    section sits), in the dtype its consumer adds it in."""
     cut_causal = bool(c.causal and s0 + w - 1 > q0)
     cut_window = bool(c.window and s0 < q0 + r - c.window)
     if not (cut_causal or cut_window):
-        return src
+        return None
     key = (q0 - s0, w, cut_causal, cut_window)
     tile = c.masks.get(key)
     if tile is None:
         P = nl.tile_size.pmax
-        tile = nl.ndarray((P, w), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=tile, value=0.0)
+        tile = nl.ndarray((P, w), dtype=c.mask_dtype, buffer=nl.sbuf)
+        nisa.memset(dst=tile, value=0.0, engine=nisa.gpsimd_engine)
         if cut_causal:     # keep key s0+j for query q0+p when (q0+p) - (s0+j) >= 0
             nisa.affine_select(dst=tile, pattern=[[-1, w]], channel_multiplier=1, offset=q0 - s0,
                                on_true_tile=tile, on_false_value=_NEG, cmp_op=nl.greater_equal)
@@ -293,6 +303,28 @@ def _mask(c, src, s_ps, s0, w, q0, r):
                                offset=s0 - q0 + c.window - 1, on_true_tile=tile,
                                on_false_value=_NEG, cmp_op=nl.greater_equal)
         c.masks[key] = tile
+    return tile
+
+
+def _identity(c):
+    """A bf16 identity for TensorE to add a mask tile into the scores' PSUM."""
+    if c.ident is None:
+        P = nl.tile_size.pmax
+        c.ident = nl.ndarray((P, P), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.memset(dst=c.ident, value=1.0, engine=nisa.gpsimd_engine)
+        nisa.affine_select(dst=c.ident, pattern=[[-1, P]], channel_multiplier=1, offset=0,
+                           on_true_tile=c.ident, on_false_value=0.0, cmp_op=nl.equal)
+    return c.ident
+
+
+def _mask(c, src, s0, w, q0, r):
+    """The section's logits with the masks added where they cut through it, by VectorE as
+    it reads the scores (when TensorE has not already accumulated the mask into them)."""
+    if c.mask_on_tensor:
+        return src
+    tile = _mask_tile(c, s0, w, q0, r)
+    if tile is None:
+        return src
     sm = nl.ndarray((r, w), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=sm, data1=src, data2=tile[0:r, :], op=nl.add)
     return sm
