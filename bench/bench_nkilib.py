@@ -1,7 +1,9 @@
 """NKI-lib kernels: simulator speed against PyTorch on CPU, modelled FlashAttention
 throughput on trn2/trn3, and what routing SDPA's cost through NKI-lib adds to a call.
 
-    .venv/bin/python bench/bench_nkilib.py [--quick]
+    .venv/bin/python bench/bench_nkilib.py [--quick] [--tflops]
+
+``--tflops`` runs part 2 only (deterministic: the modelled numbers do not depend on the host).
 
 1. Host time of the simulated kernel vs the PyTorch reference of the same math on CPU
    (a report: the simulator executes every instruction in NumPy).
@@ -120,6 +122,9 @@ def routing_overhead(pairs=15):
 
 
 if __name__ == "__main__":
-    simulator_vs_torch()
-    flash_tflops()
-    routing_overhead()
+    if "--tflops" in sys.argv:
+        flash_tflops()
+    else:
+        simulator_vs_torch()
+        flash_tflops()
+        routing_overhead()

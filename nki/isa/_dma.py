@@ -55,8 +55,10 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
         _rules.fail(E.ShapeMismatchError, f"{I}: dst {tuple(dst.shape)} must be {want} (src {tuple(src.shape)} permuted by {ax})")
     if src.dtype.itemsize != 2:
         _rules.fail(E.DtypeLegalityError, f"{I}: DMA transpose moves 2-byte dtypes, got {src.dtype.name}")
-    # Element-granular descriptors: a DMA transpose runs far below the queue's peak.
-    _ctx.current().dma(I, dst, src, efficiency=0.25)
+    # AWS's Trainium2 architecture guide ("DMA Transpose"): up to 90% of the DMA throughput
+    # from HBM into SBUF, 50% from SBUF to SBUF, with 128-partition, 16-element output tiles.
+    _ctx.current().dma(I, dst, src, efficiency=0.9 if src.kind == "hbm" else 0.5,
+                        transpose=True)
     _put(dst, np.transpose(src.v, ax)) if dst.dtype != src.dtype else dst.v.__setitem__(..., np.transpose(src.v, ax))
 
 

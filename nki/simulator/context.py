@@ -121,7 +121,7 @@ class Sim:
             self.tl.compute(name, engine, cycles, [t.box() for t in reads], [t.box() for t in writes],
                             not_before=not_before)
 
-    def dma(self, name, dst, src, efficiency=1.0, not_before=0.0):
+    def dma(self, name, dst, src, efficiency=1.0, transpose=False, not_before=0.0):
         self.count += 1
         if _touches_busy((src,), (dst,)):
             drain()
@@ -134,7 +134,7 @@ class Sim:
             rows = onchip.shape[0] if onchip.kind != "hbm" else math.prod(dst.shape[:-1]) or 1
             row_bytes = max(1, nbytes // max(rows, 1))
             self.tl.dma(name, nbytes, rows, row_bytes, "hbm" in (dst.kind, src.kind),
-                        [src.box()], [dst.box()], efficiency, not_before=not_before)
+                        [src.box()], [dst.box()], efficiency, transpose=transpose, not_before=not_before)
 
     def ns(self, engine, cycles):
         return self.tl.compute_ns(engine, cycles) if self.tl else 0.0

@@ -33,7 +33,7 @@ from ..utils.pipeline import pipeline as _pipeline
 
 _NEG = -3.0e38          # masked score: exp() of it underflows to 0
 _BANK = 512             # fp32 scores per PSUM bank (2 KiB per partition): one matmul's output
-_SECTION = 512          # keys per online-softmax step
+_INTERLEAVE = 4         # query groups whose sections alternate in the pipeline
 _KV_RESIDENT = 96 * 1024  # bytes per partition K and V may hold in SBUF for a whole batch
 
 
@@ -83,9 +83,7 @@ def attention_cte(q, k, v, scale=1.0, causal_mask=True, k_prior=None, v_prior=No
     cfg = _Cfg(q=q, k=k, v=v, out=out, d=d, Sq=Sq, Skv=Skv, tp_q=tp_q, tp_k=tp_k,
                tp_out=tp_out, causal=causal_mask, window=window, lscale=lscale, cap=cap,
                p_dtype=p_dtype, resident=resident, kv=None, masks={},
-               # ticks between the stages after the scores: 2 overlaps more units, but fp32
-               # P tiles take twice the PSUM, which then holds fewer units
-               late=1 if fp32 else 2,
+               section=_BANK,      # keys per online-softmax step
                cache=(neg_max, sum_recip) if cache_softmax else None)
     groups = []
     for b in range(B):
@@ -95,22 +93,65 @@ def attention_cte(q, k, v, scale=1.0, causal_mask=True, k_prior=None, v_prior=No
             x = _Group(b=b, kb=b // group, g=g, q0=g * P, r=min(P, Sq - g * P))
             x.hi = min(Skv, x.q0 + x.r) if causal_mask else Skv
             x.lo = max(0, x.q0 - window + 1) // P * P if window else 0
-            x.secs = list(range(x.lo, x.hi, _SECTION))
+            x.secs = list(range(x.lo, x.hi, cfg.section))
             groups.append(x)
-    units = [(x, s0, j == 0, j == len(x.secs) - 1) for x in groups for j, s0 in enumerate(x.secs)]
-    # PSUM in rings of slots, taken in turn by consecutive units: a slot is written again
-    # only after the unit that used it last has issued its reads (the pipeline's fixed
-    # stage offsets guarantee it for these ring sizes), and an allocator never fragments
-    # PSUM into pieces no 2 KiB score tile fits.
-    ns = 3 if fp32 else 4
-    cfg.s_ring = nl.ndarray((P, ns, _BANK), dtype=nl.float32, buffer=nl.psum)
-    cfg.pt_ring = nl.ndarray((P, 3, _SECTION // P, P), dtype=p_dtype, buffer=nl.psum)
-    cfg.pv_ring = nl.ndarray((P, 3, d), dtype=nl.float32, buffer=nl.psum)
+    units = _interleave(groups, _INTERLEAVE)
+    # NeuronCore-v4: ScalarE's Activation2 reduces a maximum and VectorE's exponential runs
+    # at 4x activation's rate, so the max moves to ScalarE and the exp to VectorE
+    cfg.fast_exp = nisa.get_nc_version() == nisa.nc_version.gen4
+    # PSUM in rings of slots, taken in turn by consecutive units (an allocator would
+    # fragment PSUM into pieces no 2 KiB score tile fits). A unit starts every tick and its
+    # stages are ``gap`` ticks apart, so a stage's inputs come from ``gap`` units back and
+    # the 1.3 us semaphore waits overlap other units' work. A slot may be written again in
+    # the tick its last reader issues (older units issue first): the scores, read up to
+    # two stages after their matmul (one on NeuronCore-v4, where ScalarE copies them out
+    # with their maximum), take 2 (1) x gap slots, P^T and the P.V accumulator gap slots.
+    # The fast-exp kernel has room in PSUM for gap 4, which its shorter engine work needs.
+    reads = 2 if cap or not cfg.fast_exp else 1
+    cfg.gap = gap = 4 if reads == 1 and not fp32 else 2
+    # Where PSUM has room (16-bit P, gap 2), one more slot per ring lets TensorE run ahead
+    # of the engine that last read a slot by a semaphore wait.
+    more = int(gap == 2 and not fp32)
+    cfg.s_ring = nl.ndarray((P, reads * gap + more, cfg.section), dtype=nl.float32, buffer=nl.psum)
+    cfg.pt_ring = nl.ndarray((P, gap + more, cfg.section // P, P), dtype=p_dtype, buffer=nl.psum)
+    cfg.pv_ring = nl.ndarray((P, gap + more, d), dtype=nl.float32, buffer=nl.psum)
     cfg.t_ring = {}
+    # the queries' transposes: held one gap, by up to _INTERLEAVE consecutive first units
+    cfg.q_ring = [nl.ndarray((P, gap + 1, P), dtype=q.dtype, buffer=nl.psum), 0]
+    cfg.pt_modes = _pt_modes(p_dtype)
+    # Masks cut the diagonal sections: with 16-bit inputs and no soft-cap (which must see
+    # the unmasked scores) TensorE, which has time to spare, adds the mask into the scores'
+    # PSUM as a bf16 matmul by the identity; else VectorE adds it as it reads the scores.
+    cfg.mask_on_tensor = not fp32 and not cap
+    cfg.mask_dtype = nl.bfloat16 if cfg.mask_on_tensor else nl.float32
+    cfg.ident = None
     _pipeline([_unit(cfg, i, *u) for i, u in enumerate(units)])
     if cache_softmax:
         return out, neg_max, sum_recip
     return out
+
+
+def _interleave(groups, n):
+    """(group, section start, first, last) units, sections of ``n`` groups at a time taken
+    in turn: consecutive units then belong to different groups, so one group's chain of
+    running statistics does not serialise the pipeline."""
+    units, blocks = [], []
+    for x in groups:      # a block shares one kv batch: K and V stay resident per batch
+        if blocks and len(blocks[-1]) < n and blocks[-1][0].kb == x.kb:
+            blocks[-1].append(x)
+        else:
+            blocks.append([x])
+    for block in blocks:
+        for j in range(max(len(x.secs) for x in block)):
+            units += [(x, x.secs[j], j == 0, j == len(x.secs) - 1) for x in block if j < len(x.secs)]
+    return units
+
+
+def _pt_modes(p_dtype):
+    """The engine that copies consecutive units' P^T out of PSUM, in turn: VectorE (the max
+    reductions) and ScalarE (the exps) share it. DMA transposes (AWS's choice) measured
+    slower in the model: one takes all 16 queues at half their rate, 1.3 us per unit."""
+    return ("vector", "scalar")
 
 
 def _scratch(c, rows, cols, dtype):
@@ -124,109 +165,136 @@ def _scratch(c, rows, cols, dtype):
 
 
 def _unit(c, i, x, s0, first, last):
-    """One query group against one section of keys, as stages separated by ``yield``."""
+    """One query group against one section of keys, as stages separated by ``yield``.
+
+    VectorE bounds the forward (it alone can reduce a row maximum out of PSUM), so it does
+    only that, the running maximum and the output update; the running sum is a (128, 1) op on
+    GpSimd, and the exp's row sum comes out of the activation instruction itself. Stages are
+    ``c.gap`` ticks apart, so a stage's inputs come from several units back and the
+    cross-engine semaphore waits overlap other units' work."""
     P = nl.tile_size.pmax
     r, d = x.r, c.d
-    w = min(_SECTION, x.hi - s0)
-    if first:      # the queries first: K and V of a new batch take longer
-        x.qT = _load_qT(c, x.b, x.q0, r, d)
+    w = min(c.section, x.hi - s0)
+    qload = _load_qT(c, x, r, d) if first else iter((None, None, None))
+    next(qload)
+    if first:      # K and V of a new batch with the queries
         if c.resident and (c.kv is None or c.kv[0] != x.kb):
             c.kv = (x.kb,) + _load_kv(c, x.kb, 0, c.Skv, d)
-        x.m = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=x.m, value=_NEG)
+        # the running row maximum of the scaled scores, negated (the exp's bias) unless
+        # VectorE's exponential subtracts it
+        x.nb = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=x.nb, value=_NEG if c.fast_exp else -_NEG, engine=nisa.gpsimd_engine)
         x.l_sum = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=x.l_sum, value=0.0)
+        nisa.memset(dst=x.l_sum, value=0.0, engine=nisa.gpsimd_engine)
         x.acc = nl.ndarray((r, d), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=x.acc, value=0.0)
+        nisa.memset(dst=x.acc, value=0.0, engine=nisa.gpsimd_engine)
     if c.resident:   # k_t is the batch's K, kc its column of key s0
         k_t, v_t, vb0, kc = c.kv[1], c.kv[2], s0 // P, s0
     else:
         k_t, v_t = _load_kv(c, x.kb, s0, w, d)
         vb0 = kc = 0
-    yield 1
+    for _ in range(2):       # every unit, so that all units' stages keep the same offsets
+        yield c.gap
+        next(qload, None)
+    yield c.gap
     # TensorE: the scores, one PSUM bank per 512 keys
     s_ps = c.s_ring[0:r, i % c.s_ring.shape[1], 0:w]
+    mask = _mask_tile(c, s0, w, x.q0, r) if c.mask_on_tensor else None
     for col in range(0, w, _BANK):
         cw = min(_BANK, w - col)
         nisa.nc_matmul(dst=s_ps[:, col:col + cw], stationary=x.qT,
                        moving=k_t[:, kc + col:kc + col + cw])
-    yield 1
+        if mask is not None:     # + I @ mask: exact in the fp32 accumulation
+            nisa.nc_matmul(dst=s_ps[:, col:col + cw], stationary=_identity(c)[:, 0:r],
+                           moving=mask[:, col:col + cw], accumulate=True)
+    yield c.gap
     src, ls = s_ps, c.lscale
     if c.cap:
         t = nl.ndarray((r, w), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=t, op=nl.tanh, data=s_ps, scale=c.lscale / c.cap)
         src, ls = t, float(c.cap)
-        yield 1
-    src = _mask(c, src, s_ps, s0, w, x.q0, r)
-    # VectorE: the row maximum and the new running maximum
+        yield c.gap
+    src = _mask(c, src, s0, w, x.q0, r)
     mx = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=mx, op=nl.max, data=src, axis=1)
-    m_old, x.m = x.m, nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=x.m, data1=m_old, data2=mx, op=nl.maximum)
-    m_new = x.m
-    x.ls = ls
-    yield 1
-    # ScalarE: exp(ls * (s - m_new)) with its row sum, and the correction of the old terms
-    bias = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=bias, op=nl.copy, data=m_new, scale=-ls)
+    nb_old, x.nb = x.nb, nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
+    if c.fast_exp:   # ScalarE: the scaled scores to SBUF with their row maximum
+        ss = nl.ndarray((r, w), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activate2(dst=ss, op=nl.copy, data=src, imm0=ls, imm1=0.0, op0=nl.multiply,
+                       op1=None, reduce_op=nl.maximum, reduce_res=mx,
+                       reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    else:            # VectorE: the negated row maximum and the bias min(nb, -ls * max)
+        nisa.tensor_reduce(dst=mx, op=nl.max, data=src, axis=1, negate=True)
+        nisa.tensor_scalar(dst=x.nb, data=mx, op0=nl.multiply, operand0=ls, op1=nl.minimum,
+                           operand1=nb_old)
+    nb = x.nb
+    yield c.gap
+    # exp(ls * s - max) with its row sum, and the correction exp(max_old - max)
+    n_blk = (w + P - 1) // P
     p = nl.ndarray((r, w), dtype=c.p_dtype, buffer=nl.sbuf)
     row = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=p, op=nl.exp, data=src, scale=ls, bias=bias, reduce_op=nl.add,
-                    reduce_res=row)
     corr = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=corr, op=nl.exp, data=m_old, scale=ls, bias=bias)
+    if c.fast_exp:   # on VectorE, at 4x ScalarE's rate, after the running maximum (here, not
+        # with the ScalarE copy: VectorE would wait a semaphore on it in the same stage)
+        nisa.tensor_tensor(dst=nb, data1=nb_old, data2=mx, op=nl.maximum)
+        nisa.exponential(dst=p, src=ss, max_value=nb, reduce_res=row,
+                         reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        nisa.exponential(dst=corr, src=nb_old, max_value=nb)
+        del ss
+    else:            # on ScalarE
+        nisa.activation(dst=p, op=nl.exp, data=src, scale=ls, bias=nb, reduce_op=nl.add,
+                        reduce_res=row)
+        nisa.activation(dst=corr, op=nl.exp, data=nb_old, scale=-1.0, bias=nb)
     del src, s_ps
-    yield c.late
-    # TensorE: each 128-key block of P transposed, keys onto partitions
-    n_blk = (w + P - 1) // P
-    pT_ps = []
+    yield c.gap
+    # TensorE: P transposed, keys onto partitions, into one PSUM tile that a single copy
+    # (VectorE or ScalarE, in turn) brings to SBUF
+    t_ps = c.pt_ring[0:P, i % c.pt_ring.shape[1], 0:n_blk, 0:r]
     for j in range(n_blk):
         kw = min(P, w - j * P)
-        t_ps = c.pt_ring[0:kw, i % c.pt_ring.shape[1], j, 0:r]
-        nisa.nc_transpose(dst=t_ps, data=p[:, j * P:j * P + kw])
-        pT_ps.append(t_ps)
-    nisa.scalar_tensor_tensor(dst=x.l_sum, data=x.l_sum, op0=nl.multiply, operand0=corr,
-                              op1=nl.add, operand1=row)
-    yield c.late
-    # to SBUF, on VectorE and ScalarE in turn
-    pT = []
-    for j, t_ps in enumerate(pT_ps):
-        t = nl.ndarray(tuple(t_ps.shape), dtype=c.p_dtype, buffer=nl.sbuf)
-        if j % 2:
-            nisa.activation(dst=t, op=nl.copy, data=t_ps)
-        else:
-            nisa.tensor_copy(dst=t, src=t_ps)
-        pT.append(t)
-    del pT_ps
-    yield c.late
+        nisa.nc_transpose(dst=t_ps[0:kw, j, :], data=p[:, j * P:j * P + kw])
+    nisa.tensor_scalar(dst=x.l_sum, data=x.l_sum, op0=nl.multiply, operand0=corr,
+                       op1=nl.add, operand1=row, engine=nisa.gpsimd_engine)
+    yield c.gap
+    pT = nl.ndarray((P, n_blk, r), dtype=c.p_dtype, buffer=nl.sbuf)
+    full = w // P
+    eng = nisa.scalar_engine if c.pt_modes[i % len(c.pt_modes)] == "scalar" else nisa.vector_engine
+    if full:
+        nisa.tensor_copy(dst=pT[:, 0:full, :], src=t_ps[:, 0:full, :], engine=eng)
+    if full < n_blk:      # a last block of fewer keys
+        kw = w - full * P
+        nisa.tensor_copy(dst=pT[0:kw, full, :], src=t_ps[0:kw, full, :], engine=eng)
+    blocks = [pT[0:min(P, w - j * P), j, :] for j in range(n_blk)]
+    del t_ps
+    yield c.gap
     # TensorE: P @ V into one PSUM accumulator
     pv = c.pv_ring[0:r, i % c.pv_ring.shape[1], :]
-    for j, t in enumerate(pT):
-        nisa.nc_matmul(dst=pv, stationary=t, moving=v_t[0:t.shape[0], vb0 + j, :],
+    for j, t in enumerate(blocks):
+        kw = min(P, w - j * P)
+        nisa.nc_matmul(dst=pv, stationary=t[0:kw, :], moving=v_t[0:kw, vb0 + j, :],
                        accumulate=j > 0)
-    del pT
-    yield c.late
+    del blocks, pT
+    yield c.gap
     nisa.scalar_tensor_tensor(dst=x.acc, data=x.acc, op0=nl.multiply, operand0=corr,
                               op1=nl.add, operand1=pv)
     if last:
-        yield c.late
+        yield c.gap
         _finish(c, x, d)
 
 
-def _mask(c, src, s_ps, s0, w, q0, r):
-    """The section's logits with the causal and window masks added where they cut through
-    it: an add of a 0/-inf tile made once per (offset, width) on GpSimd, read by VectorE
-    with the scores in PSUM (masks only depend on where the section sits)."""
+def _mask_tile(c, s0, w, q0, r):
+    """The 0/-inf tile of the causal and window masks where they cut through the section,
+    or None; made once per (offset, width) on GpSimd (masks only depend on where the
+    section sits), in the dtype its consumer adds it in."""
     cut_causal = bool(c.causal and s0 + w - 1 > q0)
     cut_window = bool(c.window and s0 < q0 + r - c.window)
     if not (cut_causal or cut_window):
-        return src
+        return None
     key = (q0 - s0, w, cut_causal, cut_window)
     tile = c.masks.get(key)
     if tile is None:
         P = nl.tile_size.pmax
-        tile = nl.ndarray((P, w), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=tile, value=0.0)
+        tile = nl.ndarray((P, w), dtype=c.mask_dtype, buffer=nl.sbuf)
+        nisa.memset(dst=tile, value=0.0, engine=nisa.gpsimd_engine)
         if cut_causal:     # keep key s0+j for query q0+p when (q0+p) - (s0+j) >= 0
             nisa.affine_select(dst=tile, pattern=[[-1, w]], channel_multiplier=1, offset=q0 - s0,
                                on_true_tile=tile, on_false_value=_NEG, cmp_op=nl.greater_equal)
@@ -235,6 +303,28 @@ def _mask(c, src, s_ps, s0, w, q0, r):
                                offset=s0 - q0 + c.window - 1, on_true_tile=tile,
                                on_false_value=_NEG, cmp_op=nl.greater_equal)
         c.masks[key] = tile
+    return tile
+
+
+def _identity(c):
+    """A bf16 identity for TensorE to add a mask tile into the scores' PSUM."""
+    if c.ident is None:
+        P = nl.tile_size.pmax
+        c.ident = nl.ndarray((P, P), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.memset(dst=c.ident, value=1.0, engine=nisa.gpsimd_engine)
+        nisa.affine_select(dst=c.ident, pattern=[[-1, P]], channel_multiplier=1, offset=0,
+                           on_true_tile=c.ident, on_false_value=0.0, cmp_op=nl.equal)
+    return c.ident
+
+
+def _mask(c, src, s0, w, q0, r):
+    """The section's logits with the masks added where they cut through it, by VectorE as
+    it reads the scores (when TensorE has not already accumulated the mask into them)."""
+    if c.mask_on_tensor:
+        return src
+    tile = _mask_tile(c, s0, w, q0, r)
+    if tile is None:
+        return src
     sm = nl.ndarray((r, w), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=sm, data1=src, data2=tile[0:r, :], op=nl.add)
     return sm
@@ -263,25 +353,35 @@ def _finish(c, x, d):
         if r < P:      # rows past the sequence: the padding AWS's layout carries
             nisa.memset(dst=nm, value=0.0)
             nisa.memset(dst=sr, value=0.0)
-        nisa.tensor_scalar(dst=nm[0:r, :], data=x.m, op0=nl.multiply, operand0=-x.ls)
+        if c.fast_exp:
+            nisa.tensor_scalar(dst=nm[0:r, :], data=x.nb, op0=nl.multiply, operand0=-1.0)
+        else:
+            nisa.tensor_copy(dst=nm[0:r, :], src=x.nb)
         nisa.tensor_copy(dst=sr[0:r, :], src=inv)
         nisa.dma_copy(dst=neg_max[b, :, g:g + 1], src=nm)
         nisa.dma_copy(dst=sum_recip[b, :, g:g + 1], src=sr)
 
 
-def _load_qT(c, b, q0, r, d):
-    """The query group transposed, head dim on partitions: the stationary operand."""
+def _load_qT(c, x, r, d):
+    """The query group transposed, head dim on partitions (the stationary operand), in three
+    stages a gap apart: the DMA, the TensorE transpose, the copy out of PSUM. Engines run in
+    program order, so in one stage each would wait for the one before."""
     q = c.q
-    qT = nl.ndarray((d, r), dtype=q.dtype, buffer=nl.sbuf)
+    x.qT = nl.ndarray((d, r), dtype=q.dtype, buffer=nl.sbuf)
     if not c.tp_q:
-        nisa.dma_copy(dst=qT, src=q[b, :, q0:q0 + r])
-        return qT
+        nisa.dma_copy(dst=x.qT, src=q[x.b, :, x.q0:x.q0 + r])
+        yield
+        yield
+        return
     q_sb = nl.ndarray((r, d), dtype=q.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=q_sb, src=q[b, q0:q0 + r, :])
-    t_ps = _scratch(c, d, r, q.dtype)
+    nisa.dma_copy(dst=q_sb, src=q[x.b, x.q0:x.q0 + r, :])
+    yield
+    ring = c.q_ring
+    ring[1] = (ring[1] + 1) % ring[0].shape[1]
+    t_ps = ring[0][0:d, ring[1], 0:r]
     nisa.nc_transpose(dst=t_ps, data=q_sb)
-    nisa.tensor_copy(dst=qT, src=t_ps)
-    return qT
+    yield
+    nisa.activation(dst=x.qT, op=nl.copy, data=t_ps)
 
 
 def _load_kv(c, kb, s0, n, d):
