@@ -20,6 +20,7 @@ CPU's mean and rstd beside the kernel's output, for its backward.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -52,18 +53,35 @@ def _rms_norm(input, normalized_shape, weight=None, eps=None):
         if out is not None:
             return out
     cfg = _state.config()
-    shapes = (tuple(input.shape), tuple(int(s) for s in normalized_shape))
-    if routes.norm_kernel_seconds("rms_norm", cfg.profile, cfg.lnc, shapes, input.dtype) is None:
+    priced = _priced(cfg.profile.name, cfg.lnc, tuple(input.shape),
+                     tuple(int(s) for s in normalized_shape), input.dtype,
+                     None if weight is None else weight.dtype)
+    if priced is None:
         return _RMS._op_dk(_COMPOSITE, *args)
-    out_dtype = input.dtype if weight is None else torch.promote_types(input.dtype, weight.dtype)
-    bytes_in = input.nbytes + (weight.nbytes if weight is not None else 0)
-    bytes_out = input.numel() * out_dtype.itemsize
-    seconds, engine, _ = cost_model.op_seconds(cfg.profile, cfg.lnc, "rms_norm", list(shapes),
-                                               input.dtype, bytes_in, bytes_out)
+    seconds, engine, shapes, bytes_in, bytes_out = priced
     with routes.charged_as(input.device, "rms_norm", seconds, engine=engine,
                            hbm_bytes=bytes_in + bytes_out, shapes=shapes, dtype=input.dtype,
                            bytes_in=bytes_in, bytes_out=bytes_out):
         return _RMS._op_dk(_COMPOSITE, *args)
+
+
+@functools.lru_cache(maxsize=1024)
+def _priced(chip, lnc, shape, normalized_shape, dtype, weight_dtype):
+    """(seconds, engine, shapes, bytes in, bytes out) of the call as one rmsnorm_tkg launch
+    on ``chip`` (the selected profile's name), or None when the kernel does not cover it
+    (logged once per shape)."""
+    p = _state.config().profile
+    shapes = (shape, normalized_shape)
+    if routes.norm_kernel_seconds("rms_norm", p, lnc, shapes, dtype) is None:
+        return None
+    numel = math.prod(shape)
+    out_dtype = dtype if weight_dtype is None else torch.promote_types(dtype, weight_dtype)
+    bytes_in = numel * dtype.itemsize + (0 if weight_dtype is None else
+                                         math.prod(normalized_shape) * weight_dtype.itemsize)
+    bytes_out = numel * out_dtype.itemsize
+    seconds, engine, _ = cost_model.op_seconds(p, lnc, "rms_norm", list(shapes), dtype,
+                                               bytes_in, bytes_out)
+    return seconds, engine, shapes, bytes_in, bytes_out
 
 
 _lib = torch.library.Library("aten", "IMPL")
