@@ -259,7 +259,9 @@ def op_seconds(p, lnc, op, shapes, dtype, bytes_in, bytes_out, count=1, flags=0)
     if kernel is not None:
         if dims is not None:
             flops = count * 2.0 * math.prod(dims) * (0.5 if flags & 1 else 1.0)
-        return count * (p.launch_overhead_ns * 1e-9 + kernel), "tensor", flops
+        # the library's norm kernels have no matmul: VectorE bounds them
+        return (count * (p.launch_overhead_ns * 1e-9 + kernel),
+                "tensor" if dims is not None else "vector", flops)
     if dims is not None:
         compute = count * _tensore_seconds(p, dims, dtype, lnc)
         flops = count * 2.0 * math.prod(dims)
@@ -387,10 +389,13 @@ def reset_modelled_time(device=None) -> None:
 
 
 def _add_time(device: int, name: str, seconds: float, *, engine: str, launches: int = 1,
-              hbm_bytes: int = 0, link_bytes: int = 0, flops: float = 0.0) -> None:
+              hbm_bytes: int = 0, link_bytes: int = 0, flops: float = 0.0, shapes=None,
+              dtype=None, bytes_in: int = 0, bytes_out: int = 0) -> None:
     """Add work that the op records cannot see: fused kernels of compiled graphs (engine
-    "fused"), NKI kernels ("nki", from the simulator's engine timeline) and collectives
-    ("collective", bytes over the interconnect)."""
+    "fused"), NKI kernels ("nki", from the simulator's engine timeline), collectives
+    ("collective", bytes over the interconnect) and calls charged as a library kernel
+    (``shapes``, ``dtype``, ``bytes_in``/``bytes_out``: what ``op_seconds`` priced, if it
+    did)."""
     if type(device) is not int:
         from .neuron import _index
         device = _index(device)
@@ -406,6 +411,7 @@ def _add_time(device: int, name: str, seconds: float, *, engine: str, launches: 
         for listen in _listeners:
             listen((device, 0, name, engine, seconds, launches))
         if _op_listeners:
-            charge = OpCharge(device, 0, name, engine, seconds, launches, flops, hbm_bytes)
+            charge = OpCharge(device, 0, name, engine, seconds, launches, flops, hbm_bytes,
+                              shapes, dtype, bytes_in, bytes_out)
             for listen in _op_listeners:
                 listen(charge)

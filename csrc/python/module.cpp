@@ -266,6 +266,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_is_capturing", &neuron::is_capturing);
   m.def("_set_quiet", &neuron::set_quiet);
   m.def("_set_op_records", &neuron::set_recording);
+  // Launches the device's Adaptive Eager window now, without waiting for it: a kernel that
+  // charges its own modelled time closes it before and after its ops, so that exactly its
+  // ops run unrecorded (synchronize would also block and end a timeline epoch).
+  m.def("_close_window", [](int d) {
+    pybind11::gil_scoped_release no_gil;
+    neuron::queue::close_window(static_cast<c10::DeviceIndex>(d));
+  });
   m.def("_quiet", &neuron::quiet);
   m.def("_drain_op_records", &neuron::drain_records);
   // _launch_kernel(entry, name, kinds, *args): a compiled graph's C++ kernel on the queue

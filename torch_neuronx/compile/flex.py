@@ -180,7 +180,6 @@ def _as_nkilib(kind, q, k, kv_num, full_num, key, kv_block):
     """Charges the call as NKI-lib's FlashAttention kernel visiting the blocks the block
     mask lists (docs/nkilib.md) instead of the ATen ops that compute it here, when the
     kernel covers it (no score_mod; any mask_mod). Otherwise the ops are charged as usual."""
-    from .. import _C, cost_model
     from ..kernels import nkilib_routes as routes
     secs = None
     if not _is_identity(_fns(key)[0]):
@@ -195,14 +194,9 @@ def _as_nkilib(kind, q, k, kv_num, full_num, key, kv_block):
     if secs is None:
         yield
         return
-    prev = _C._set_op_records(False)
-    try:
+    with routes.charged_as(q.device, "flex_attention" + ("_backward" if kind == "bwd" else ""),
+                           secs[0], engine="tensor", flops=secs[1]):
         yield
-        torch.neuron.synchronize(q.device)    # Adaptive Eager windows close unrecorded too
-    finally:
-        _C._set_op_records(prev)
-    cost_model._add_time(q.device, "flex_attention" + ("_backward" if kind == "bwd" else ""),
-                         secs[0], engine="tensor", flops=secs[1])
 
 
 _lib = None

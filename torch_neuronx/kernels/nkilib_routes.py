@@ -14,11 +14,17 @@ Calls the kernels do not cover (an explicit mask, dropout, head dim > 128, a bac
 query length is not a multiple of 128, dtypes other than fp32/bf16/fp16) keep the
 roofline cost, and the logger ``torch_neuronx.nkilib`` says why at debug level.
 
+``native_layer_norm`` and ``rms_norm`` (charged by ``kernels.norms``) are priced the same
+way as NKI-lib's ``layernorm_tkg`` / ``rmsnorm_tkg`` at the call's shape on ``kernel[lnc]``.
+``charged_as`` is the scope a Python kernel uses to charge the ATen ops it runs as one
+NKI-lib kernel (FlexAttention, ``rms_norm``).
+
 ``TORCH_NEURONX_NKI_EXECUTE=1`` (read at import) executes the kernels themselves in the
 simulator instead of CPU's op, for validation: results then come from NKI-lib.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -32,6 +38,8 @@ from nkilib.core.attention.attention_bwd import attention_bwd
 from nkilib.core.attention.attention_cte import attention_cte
 from nkilib.core.attention.attention_tkg import attention_tkg
 from nkilib.core.moe.moe_cte.grouped_mm import grouped_mm
+from nkilib.core.subkernels.layernorm_tkg import layernorm_tkg
+from nkilib.core.subkernels.rmsnorm_tkg import rmsnorm_tkg
 
 from .. import _C, cost_model
 
@@ -216,6 +224,82 @@ def flex_seconds(kind, B, H, sq, skv, d, dtype, fraction):
                          B * H) * fraction
     flops = (4.0 if kind == "fwd" else 8.0) * B * H * sq * skv * d * fraction
     return cfg.profile.launch_overhead_ns * 1e-9 + ns * 1e-9 * B * H / max(1, cfg.lnc), flops
+
+
+@contextlib.contextmanager
+def charged_as(device, name, seconds, *, engine, flops=0.0, hbm_bytes=0, **priced):
+    """Runs the body's device ops unrecorded and charges ``seconds`` under ``name`` instead:
+    the host computes a call with ATen's ops while its modelled time is an NKI-lib kernel's.
+    The device's Adaptive Eager window is launched before the body (earlier ops keep their
+    own charges) and after it (the body's ops leave it unrecorded), without waiting for the
+    queue. ``priced``: the shapes, dtype and bytes ``seconds`` was priced from
+    (``cost_model.op_seconds``), kept in the charge so a what-if can re-price it."""
+    idx = device.index if device.index is not None else torch.neuron.current_device()
+    _C._close_window(idx)
+    prev = _C._set_op_records(False)
+    try:
+        yield
+    finally:
+        _C._close_window(idx)
+        _C._set_op_records(prev)
+    cost_model._add_time(idx, name, seconds, engine=engine, flops=flops, hbm_bytes=hbm_bytes,
+                         **priced)
+
+
+# Elements simulated at most per norm launch; more rows are extrapolated at the marginal
+# time per row (the norm kernels stream row tiles, so their time is linear in rows).
+_SIM_NORM_ELEMS = 2048 * 4096
+NORM_KERNELS = {"rms_norm": rmsnorm_tkg, "native_layer_norm": layernorm_tkg}
+
+
+def norm_kernel_seconds(op, p, lnc, shapes, dtype, flags=0):
+    """Modelled seconds (launch excluded) of one launch of NKI-lib's norm kernel on
+    ``kernel[lnc]``: ``rmsnorm_tkg`` for "rms_norm", ``layernorm_tkg`` for
+    "native_layer_norm" (with a beta when the call has both weight and bias). ``shapes``:
+    the input's, then the weight's or bias's (the normalised trailing dims), as the runtime
+    records ``native_layer_norm``. None when the kernel does not cover the call (logged)."""
+    if len(shapes) < 2:
+        return _decline(op, "no weight or bias, so the record does not give the normalised "
+                            "shape")
+    if dtype not in _DTYPES:
+        return _decline(op, f"dtype {dtype}")
+    H, n = math.prod(shapes[1]), math.prod(shapes[0])
+    if H == 0 or n == 0:
+        return _decline(op, f"empty input of shape {tuple(shapes[0])}")
+    if n % H or tuple(shapes[0][len(shapes[0]) - len(shapes[1]):]) != tuple(shapes[1]):
+        return _decline(op, f"normalised shape {tuple(shapes[1])} is not the trailing dims of "
+                            f"{tuple(shapes[0])}")
+    beta = op == "native_layer_norm" and len(shapes) > 2
+    return _norm_ns(p.name, op, n // H, H, _DTYPES[dtype], beta, max(1, lnc)) * 1e-9
+
+
+for _op in NORM_KERNELS:
+    cost_model.KERNEL_COSTS[_op] = functools.partial(norm_kernel_seconds, _op)
+
+
+@functools.lru_cache(maxsize=512)
+def _norm_ns(target, op, rows, H, dtype, beta, lnc):
+    r = min(rows, max(1, _SIM_NORM_ELEMS // H))
+    if r == rows:
+        return norm_kernel_ns(target, op, rows, H, dtype, beta, lnc)
+    if r < 256:     # few rows fit: scale by rows
+        return norm_kernel_ns(target, op, r, H, dtype, beta, lnc) * rows / r
+    r -= r % 128
+    full = norm_kernel_ns(target, op, r, H, dtype, beta, lnc)
+    half = norm_kernel_ns(target, op, r // 2, H, dtype, beta, lnc)
+    return full + (rows - r) * (full - half) / (r - r // 2)
+
+
+def norm_kernel_ns(target, op, rows, H, dtype, beta, lnc):
+    """Simulated latency of NKI-lib's norm kernel over [rows, H] on ``kernel[lnc]``."""
+    rng = np.random.default_rng(0)
+    dt = _np_dtype(dtype)
+    x = rng.standard_normal((rows, H), dtype=np.float32).astype(dt)
+    g = np.ones((1, H), dt)
+    kernel = NORM_KERNELS[op]
+    kw = {"beta": np.zeros((1, H), dt)} if beta else {}
+    r = nki.benchmark(kernel[lnc] if lnc > 1 else kernel, target=target)(x, g, eps=1e-6, **kw)
+    return r.latency_ns
 
 
 # ----------------------------------------------------------------------- execution mode

@@ -22,6 +22,9 @@ P = 128
 # BEHIND + 2) fit in SBUF beside gamma and beta.
 _LMAX = 4096
 _TILE_COST = 512      # a tile's fixed cost (instruction and DMA overheads) in element-steps
+# A segmented tile's extra cost: its segments' sums go through TensorE and PSUM, two more
+# cross-engine waits (without it, 64 rows of 256 split in two took longer than 128 rows).
+_SEG_COST = 2048
 _BANK = 512           # fp32 columns of one PSUM bank: one matmul's output
 # Ticks (``utils.pipeline``) from a tile's load to its statistics, and from its normalisation
 # to its store: loads run well ahead and stores are queued once their data is nearly ready
@@ -54,11 +57,12 @@ def vector_of(v, H, kernel, name):
 
 
 def row_layout(R, H):
-    """(nseg, L) for R rows of H: the divisor of H that minimises (tiles x elements per
-    partition + fixed cost), with L <= _LMAX when some divisor allows it."""
+    """(nseg, L) for R rows of H: the divisor of H that minimises tiles x (elements per
+    partition + fixed costs), with L <= _LMAX when some divisor allows it."""
     divs = [d for d in range(1, min(P, H) + 1) if H % d == 0]
     fit = [d for d in divs if H // d <= _LMAX] or [divs[-1]]
-    return min(((-(-R * d // P)) * (H // d + _TILE_COST), d, H // d) for d in fit)[1:]
+    return min(((-(-R * d // P)) * (H // d + _TILE_COST + (_SEG_COST if d > 1 else 0)), d,
+                H // d) for d in fit)[1:]
 
 
 class RowTiling:
