@@ -1,15 +1,23 @@
-"""Perfetto / Chrome trace export of a modelled instruction timeline."""
+"""Perfetto / Chrome trace export of a modelled instruction timeline, and the engine lanes'
+names and order, which torch_neuronx's profiler lanes share."""
 from __future__ import annotations
 
 import json
 
-_LANES = ["tensor", "vector", "scalar", "gpsimd"]
-_LABEL = {"tensor": "TensorE", "vector": "VectorE", "scalar": "ScalarE", "gpsimd": "GpSimd"}
+ENGINE_LANES = ("tensor", "vector", "scalar", "gpsimd")
+ENGINE_LABELS = {"tensor": "TensorE", "vector": "VectorE", "scalar": "ScalarE", "gpsimd": "GpSimd"}
 
 
-def _tid(lane: str) -> int:
-    if lane in _LANES:
-        return _LANES.index(lane) + 1
+def lane_label(lane: str) -> str:
+    """AWS's engine names; DMA queue ``dmaN`` -> ``DMA queue N``."""
+    label = ENGINE_LABELS.get(lane)
+    return label if label is not None else f"DMA queue {lane[3:]}"
+
+
+def lane_index(lane: str) -> int:
+    """Lane order: the four engines, then DMA queues by number."""
+    if lane in ENGINE_LANES:
+        return ENGINE_LANES.index(lane) + 1
     return 10 + int(lane[3:])          # dmaN
 
 
@@ -19,13 +27,12 @@ def chrome_trace(timelines, kernel_name: str, target: str) -> dict:
         pid = tl.core
         events.append({"ph": "M", "name": "process_name", "pid": pid,
                        "args": {"name": f"{kernel_name} ({target}, core {pid})"}})
-        lanes = sorted({e[1] for e in tl.events}, key=_tid)
+        lanes = sorted({e[1] for e in tl.events}, key=lane_index)
         for lane in lanes:
-            label = _LABEL.get(lane, f"DMA queue {lane[3:]}")
-            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": _tid(lane),
-                           "args": {"name": label}})
+            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": lane_index(lane),
+                           "args": {"name": lane_label(lane)}})
         for name, lane, start, dur, args in tl.events:
-            ev = {"ph": "X", "name": name, "pid": pid, "tid": _tid(lane),
+            ev = {"ph": "X", "name": name, "pid": pid, "tid": lane_index(lane),
                   "ts": start / 1000.0, "dur": max(dur, 1e-3) / 1000.0, "cat": lane}
             if args:
                 ev["args"] = args

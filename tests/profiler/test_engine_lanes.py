@@ -15,6 +15,14 @@ from torch_neuronx.profiling.explore import report
 _ENGINE_OF = {"TensorE": "tensor", "VectorE": "vector", "ScalarE": "scalar", "GpSimd": "gpsimd"}
 
 
+def _lane_of(label: str) -> str:
+    """The simulator's lane of a profiler lane label ("DMA queue 3" -> "dma3")."""
+    if label in _ENGINE_OF:
+        return _ENGINE_OF[label]
+    assert label.startswith("DMA queue "), label
+    return "dma" + label[len("DMA queue "):]
+
+
 def _operands(device):
     g = torch.Generator().manual_seed(0)
     return (torch.randn(128, 128, generator=g).to(device),
@@ -63,15 +71,14 @@ def test_nki_kernel_lanes_nest_in_its_interval_and_match_simulator(tmp_path, act
              if e.get("ph") == "M" and e["name"] == "thread_name" and e["pid"] == k["pid"]}
     lanes = {e["args"]["engine"] for e in inst}
     assert lanes <= names
-    assert "TensorE" in lanes and any(n.startswith("DMA q") for n in lanes)
+    assert "TensorE" in lanes and any(n.startswith("DMA queue ") for n in lanes)
     tl = _reference()
     for lane, eng in _ENGINE_OF.items():
         got = sum(e["dur"] for e in inst if e["args"]["engine"] == lane) * 1e3
         assert got == pytest.approx(tl.busy[eng], rel=1e-6, abs=1e-3)
     # Same instructions (ISA names) on the same lanes at the same offsets from the kernel start.
     want = sorted((lane, name, round(s, 1), round(d, 1)) for name, lane, s, d, _ in tl.events)
-    got = sorted((_lanes._ENGINE_OF_LABEL[e["args"]["engine"]] if e["args"]["engine"] in
-                  _lanes._ENGINE_OF_LABEL else "dma" + e["args"]["engine"][5:], e["name"],
+    got = sorted((_lane_of(e["args"]["engine"]), e["name"],
                   round((e["ts"] - k["ts"]) * 1e3, 1), round(e["dur"] * 1e3, 1)) for e in inst)
     assert [g[:2] for g in got] == [w[:2] for w in want]
     np.testing.assert_allclose([g[2:] for g in got], [w[2:] for w in want], atol=0.5)

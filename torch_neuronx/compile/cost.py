@@ -19,6 +19,8 @@ import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from ..profiling import _lanes
+
 # Loop-body operations that are data movement or indexing, not engine work.
 _NOT_COMPUTE = {"load", "store", "store_reduction", "index_expr", "constant", "get_index",
                 "load_seed", "indirect_indexing", "masked", "check_bounds", "placeholder",
@@ -339,7 +341,6 @@ def charge(device: int, phase: str, label: str, bufs, items) -> None:
             g.by_engine[e] += sec
             r.busy[e] += sec
     if rest:
-        from ..profiling import _lanes
         # With extern calls the program spans more than this interval: no lanes then.
         if _lanes._collectors and not eager:
             _lanes._capture(device, "compiled_graph", [prog.events])

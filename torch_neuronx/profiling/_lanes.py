@@ -4,21 +4,12 @@ simulator timeline events here (the Timeline the latency came
 from; nothing is re-simulated). Nothing is kept when no profiler collects."""
 from __future__ import annotations
 
+from nki.simulator.trace import lane_index, lane_label
+
 # Instruction rows kept per kernel, so one large kernel does not flood the trace.
 MAX_INSTRUCTIONS_PER_KERNEL = 2000
 
 _collectors: list = []  # one list per collecting NeuronProfiler
-
-_ENGINE_NAMES = {"tensor": "TensorE", "vector": "VectorE", "scalar": "ScalarE", "gpsimd": "GpSimd"}
-_ENGINE_OF_LABEL = {v: k for k, v in _ENGINE_NAMES.items()}
-
-
-def lane_name(lane: str) -> str:
-    """AWS's engine names; DMA queue ``dmaN`` -> ``DMA qN``."""
-    if lane.startswith("dma"):
-        return f"DMA q{lane[3:]}"
-    return _ENGINE_NAMES[lane]
-
 
 def _capture(device: int, name: str, event_lists) -> None:
     """``event_lists``: one Timeline's ``events`` per core of the kernel (or graph)."""
@@ -47,8 +38,8 @@ def _trace_events(hw_rows, kernels, origin_us: float) -> tuple:
             continue
         rows = got.pop(0)
         for core, lane, ev_name, s, dur in rows:
-            label = lane_name(lane) + (f" (core {core})" if core else "")
-            tid = 2000 + 100 * core + _lane_index(lane)
+            label = lane_label(lane) + (f" (core {core})" if core else "")
+            tid = 2000 + 100 * core + lane_index(lane)
             lanes.add((d, tid, label))
             events.append({"ph": "X", "cat": "modelled_instruction", "name": ev_name,
                            "pid": 1000 + d, "tid": tid, "ts": origin_us + (start_ns + s) / 1e3,
@@ -57,8 +48,3 @@ def _trace_events(hw_rows, kernels, origin_us: float) -> tuple:
             rows_out.append((corr, d, name, label, ev_name, round(start_ns + s), round(dur)))
     return events, lanes, rows_out
 
-
-def _lane_index(lane: str) -> int:
-    if lane.startswith("dma"):
-        return 10 + int(lane[3:])
-    return ("tensor", "vector", "scalar", "gpsimd").index(lane)

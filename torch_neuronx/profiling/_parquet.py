@@ -47,7 +47,7 @@ SCHEMA = {
         ("correlation_id", pa.int64(), "correlation_id of the kernel's hardware event in SystemProfileEvents"),
         ("device", pa.int32(), "neuron device index"),
         ("kernel", pa.string(), "kernel name (nki:<function>)"),
-        ("engine", pa.string(), "TensorE, VectorE, ScalarE, GpSimd or DMA qN (suffixed ' (core N)' past a kernel's first core)"),
+        ("engine", pa.string(), "TensorE, VectorE, ScalarE, GpSimd or DMA queue N (suffixed ' (core N)' past a kernel's first core)"),
         ("name", pa.string(), "ISA instruction name"),
         ("start_ns", pa.int64(), "start on the modelled Trainium timeline (modelled_start_ns's clock)"),
         ("duration_ns", pa.int64(), "modelled duration"),
