@@ -122,12 +122,14 @@ class NeuronProfiler:
             device, self._device = self._device, []
             kernels, self._kernels[:] = list(self._kernels), []
         path = os.path.join(out, f"trace_{n}")
+        from ._allocations import allocations
         from ._parquet import export_parquet
         file = os.path.join(out, f"trace_{n}.json")
         trace = _chrome_trace(prof, file)
         table = export_parquet(path, host_events=prof.events(), device_events=device,
                                kernel_meta=_kernel_args(trace), cores=self.config.cores,
-                               max_per_device=self.config.max_events_per_nc, trace=trace)
+                               max_per_device=self.config.max_events_per_nc,
+                               allocs=allocations(prof))
         from ._parquet import instructions_table, pq
         rows = _add_lanes(trace, table, file, kernels)
         pq.write_table(instructions_table(rows), os.path.join(path, "DeviceInstructions.parquet"))
