@@ -100,14 +100,6 @@ def _check_parquet(path, tl, k):
     assert util["VectorE"] == pytest.approx(tl.busy["vector"] / dur, rel=1e-2)
 
 
-def test_compiled_graph_with_extern_call_has_no_lanes(tmp_path):
-    g = torch.compile(lambda x, w: torch.relu(x @ w) * 2, backend="neuron")
-    x, w = _operands("neuron")
-    g(x, w)
-    events = _profile(tmp_path, lambda: g(x, w), [torch.profiler.ProfilerActivity.CPU])
-    assert not [e for e in events if e.get("cat") == "modelled_instruction"]
-
-
 def test_no_instruction_rows_without_profiler():
     assert _lanes._collectors == []
     a, b = _operands("neuron")
@@ -125,11 +117,26 @@ def test_instruction_cap(tmp_path, monkeypatch):
     assert len([e for e in events if e.get("cat") == "modelled_instruction"]) == 5
 
 
-def test_compiled_graph_lanes_nest_and_match_program_busy(tmp_path):
-    from torch_neuronx.compile import cost
+def _elementwise(x, w):  # elementwise + reduction only: no extern call inside the graph
+    return (torch.relu(x * w).exp() * 2).sum(dim=1)
 
-    def f(x, w):  # elementwise + reduction only: no extern (eager) call inside the graph
-        return (torch.relu(x * w).exp() * 2).sum(dim=1)
+
+def _mm(x, w):
+    return torch.relu(x @ w) * 2
+
+
+def _addmm(x, w):
+    return torch.relu(torch.addmm(w[0], x, w)) * 2
+
+
+def _sdpa(x, w):
+    q = x.view(2, 4, 16, 128)
+    return torch.nn.functional.scaled_dot_product_attention(q, q * 0.5, q).exp()
+
+
+@pytest.mark.parametrize("f", [_elementwise, _mm, _addmm, _sdpa], ids=lambda f: f.__name__[1:])
+def test_compiled_graph_lanes_nest_and_match_program_busy(tmp_path, f):
+    from torch_neuronx.compile import cost
 
     g = torch.compile(f, backend="neuron")
     x, w = _operands("neuron")
@@ -139,12 +146,26 @@ def test_compiled_graph_lanes_nest_and_match_program_busy(tmp_path):
     dev = x.device.index or 0
     cost.modelled_graph_time(dev, reset=True)
     events = _profile(tmp_path, lambda: g(x, w), [torch.profiler.ProfilerActivity.CPU])
-    busy = dict(cost.modelled_graph_time(dev).by_engine)  # (a live dict)
+    gt = cost.modelled_graph_time(dev, reset=True)  # (later runs add to a new record)
+    busy = gt.by_engine
     ref = f(x.cpu(), w.cpu())
-    torch.testing.assert_close(g(x, w).cpu(), ref)
+    torch.testing.assert_close(g(x, w).cpu(), ref, rtol=1e-4, atol=1e-4)
     graphs = [e for e in events if e.get("cat") == "modelled_kernel" and e["name"] == "compiled_graph"]
-    assert len(graphs) == 1
+    assert len(graphs) == 1 and gt.runs == 1
     k = graphs[0]
+    programs = [e for e in events if e.get("cat") == "modelled_program"]
+    if gt.extern_seconds:
+        # The graph's event holds the program's time beyond its extern calls (which are eager
+        # kernels of their own); the program interval, from the same start, holds it all.
+        (prog,) = programs
+        assert prog["ts"] == pytest.approx(k["ts"]) and prog["pid"] == k["pid"]
+        assert prog["dur"] == pytest.approx(gt.seconds * 1e6, rel=1e-6)
+        rest = max(0.0, gt.seconds - gt.extern_seconds)  # 0 for SDPA: its eager charge is more
+        assert k["dur"] == pytest.approx(rest * 1e6, abs=1e-3)
+        assert busy["tensor"] > 0
+        k = prog
+    else:
+        assert not programs
     inst = [e for e in events if e.get("cat") == "modelled_instruction"]
     assert inst and all(e["args"]["kernel"] == "compiled_graph" for e in inst)
     for e in inst:
@@ -153,3 +174,9 @@ def test_compiled_graph_lanes_nest_and_match_program_busy(tmp_path):
         got = sum(e["dur"] for e in inst if e["args"]["engine"] == lane) * 1e-6
         assert got == pytest.approx(busy[eng], rel=1e-6, abs=1e-12)
     assert sum(busy[e] for e in _ENGINE_OF.values()) > 0
+    ins = pq.read_table(os.path.join(str(tmp_path), "trace_0", "DeviceInstructions.parquet")).to_pandas()
+    assert set(ins.program_ns) == {round(gt.seconds * 1e9)}
+    util = report(os.path.join(str(tmp_path), "trace_0"))["engine_utilisation"]["compiled_graph"]
+    # (DeviceInstructions durations are whole ns: up to 0.5 ns off per row)
+    assert util.get("TensorE", 0.0) == pytest.approx(busy["tensor"] / gt.seconds,
+                                                     abs=0.5 * len(ins) / (gt.seconds * 1e9))

@@ -179,9 +179,10 @@ def _add_lanes(trace: dict, table, file: str, kernels=()) -> list:
     hw = table.filter(pa_compute.equal(table["source"], "hardware")).to_pydict()
     lanes = set()
     nki_rows = []
-    for d, q, eng, name, start, dur, corr in zip(hw["device"], hw["queue"], hw["engine"],
-                                                 hw["name"], hw["modelled_start_ns"],
-                                                 hw["modelled_ns"], hw["correlation_id"]):
+    for i, d, q, eng, name, start, dur, corr in zip(hw["event_id"], hw["device"], hw["queue"],
+                                                    hw["engine"], hw["name"],
+                                                    hw["modelled_start_ns"], hw["modelled_ns"],
+                                                    hw["correlation_id"]):
         tid = _ENGINE_LANES.get(eng, q)
         lanes.add((d, tid, eng if tid != q else f"queue {q}"))
         events.append({"ph": "X", "cat": "modelled_kernel", "name": name, "pid": 1000 + d,
@@ -189,7 +190,7 @@ def _add_lanes(trace: dict, table, file: str, kernels=()) -> list:
                        "args": {"queue": q, "device": d, "engine": eng, "modelled_ns": dur,
                                 "External id": corr}})
         if eng in ("nki", "fused"):
-            nki_rows.append((d, name, start, corr))
+            nki_rows.append((i, d, name, start, dur, corr))
     from ._lanes import _trace_events
     inner, inner_lanes, rows = _trace_events(nki_rows, kernels, origin)
     events.extend(inner)

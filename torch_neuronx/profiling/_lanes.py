@@ -11,32 +11,47 @@ MAX_INSTRUCTIONS_PER_KERNEL = 2000
 
 _collectors: list = []  # one list per collecting NeuronProfiler
 
-def _capture(device: int, name: str, event_lists) -> None:
-    """``event_lists``: one Timeline's ``events`` per core of the kernel (or graph)."""
+# Thread of the program intervals of compiled graphs that call extern kernels.
+_PROGRAM_TID = 1999
+
+
+def _capture(device: int, name: str, event_lists, program_ns: float = 0.0) -> None:
+    """``event_lists``: one Timeline's ``events`` per core of the kernel (or graph).
+    ``program_ns``: the program's modelled time when its kernel interval holds only part of
+    it (a compiled graph whose extern calls the eager runtime charges as kernels of their own)."""
     rows = []
     for core, events in enumerate(event_lists):
         for ev_name, lane, start, dur, _args in events:
             if len(rows) >= MAX_INSTRUCTIONS_PER_KERNEL:
                 break
             rows.append((core, lane, ev_name, start, dur))
-    kernel = (device, name, rows)
+    kernel = (device, name, rows, program_ns)
     for c in _collectors:
         c.append(kernel)
 
 
 def _trace_events(hw_rows, kernels, origin_us: float) -> tuple:
     """Chrome events of each kernel's instructions, nested in its modelled interval (the
-    n-th ``nki``/``fused`` hardware row of (device, name) takes the n-th captured kernel of that pair),
-    their lanes, and their DeviceInstructions rows."""
+    n-th ``nki``/``fused`` hardware row of (device, name) takes the n-th captured kernel of
+    that pair; a program longer than its row gets a ``modelled_program`` interval from the
+    row's start that holds them), their lanes, and their DeviceInstructions rows."""
     pending: dict = {}
-    for device, name, rows in kernels:
-        pending.setdefault((device, name), []).append(rows)
+    for device, name, rows, program_ns in kernels:
+        pending.setdefault((device, name), []).append((rows, program_ns))
     events, lanes, rows_out = [], set(), []
-    for d, name, start_ns, corr in hw_rows:
+    for event_id, d, name, start_ns, modelled_ns, corr in hw_rows:
         got = pending.get((d, name))
         if not got:
             continue
-        rows = got.pop(0)
+        rows, program_ns = got.pop(0)
+        span = round(program_ns) if program_ns else modelled_ns
+        if program_ns:
+            lanes.add((d, _PROGRAM_TID, "compiled_graph programs"))
+            events.append({"ph": "X", "cat": "modelled_program", "name": f"{name} program",
+                           "pid": 1000 + d, "tid": _PROGRAM_TID, "ts": origin_us + start_ns / 1e3,
+                           "dur": program_ns / 1e3,
+                           "args": {"kernel": name, "modelled_ns": round(program_ns),
+                                    "External id": corr}})
         for core, lane, ev_name, s, dur in rows:
             label = lane_label(lane) + (f" (core {core})" if core else "")
             tid = 2000 + 100 * core + lane_index(lane)
@@ -45,6 +60,6 @@ def _trace_events(hw_rows, kernels, origin_us: float) -> tuple:
                            "pid": 1000 + d, "tid": tid, "ts": origin_us + (start_ns + s) / 1e3,
                            "dur": dur / 1e3,
                            "args": {"kernel": name, "engine": label, "External id": corr}})
-            rows_out.append((corr, d, name, label, ev_name, round(start_ns + s), round(dur)))
+            rows_out.append((corr, event_id, d, name, label, ev_name, round(start_ns + s),
+                             round(dur), span))
     return events, lanes, rows_out
-

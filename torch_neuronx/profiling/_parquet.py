@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from torch.autograd import DeviceType
 
-PROFILE_SCHEMA_VERSION = "1.4.0"
+PROFILE_SCHEMA_VERSION = "1.5.0"
 
 # The Kineto plugin's host-side event for each kernel (csrc/profiler/kineto_plugin.cpp).
 RUNTIME_EVENT = "neuronLaunchKernel"
@@ -46,12 +46,14 @@ SCHEMA = {
     ],
     "DeviceInstructions": [
         ("correlation_id", pa.int64(), "correlation_id of the kernel's hardware event in SystemProfileEvents"),
+        ("kernel_event_id", pa.int64(), "event_id of the kernel's hardware event in SystemProfileEvents (unique also when uncorrelated)"),
         ("device", pa.int32(), "neuron device index"),
-        ("kernel", pa.string(), "kernel name (nki:<function>)"),
+        ("kernel", pa.string(), "kernel name (nki:<function>, compiled_graph)"),
         ("engine", pa.string(), "TensorE, VectorE, ScalarE, GpSimd or DMA queue N (suffixed ' (core N)' past a kernel's first core)"),
         ("name", pa.string(), "ISA instruction name"),
         ("start_ns", pa.int64(), "start on the modelled Trainium timeline (modelled_start_ns's clock)"),
         ("duration_ns", pa.int64(), "modelled duration"),
+        ("program_ns", pa.int64(), "modelled time of the program the instruction ran in, from the kernel's modelled start: the kernel's modelled_ns, or for a compiled graph that calls extern kernels the whole program's (its extern calls are eager kernels of their own, so it spans past the graph's event)"),
     ],
     "Metadata": [
         ("key", pa.string(), "metadata key (profile_schema_version, event counts, hardware_source)"),
@@ -262,9 +264,8 @@ def memory_table(allocs=(), origin_ns: int = 0, ops=frozenset()) -> pa.Table:
 
 
 def instructions_table(rows) -> pa.Table:
-    """DeviceInstructions from ``(correlation_id, device, kernel, engine, name, start_ns,
-    duration_ns)`` rows."""
-    cols = list(zip(*rows)) if rows else [()] * 7
+    """DeviceInstructions from rows of its columns, in order."""
+    cols = list(zip(*rows)) if rows else [()] * len(SCHEMA["DeviceInstructions"])
     return _table("DeviceInstructions", {
         c: (np.asarray(v, dtype=np.int64) if ty == pa.int64() else
             np.asarray(v, dtype=np.int32) if ty == pa.int32() else list(v))

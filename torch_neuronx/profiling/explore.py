@@ -68,16 +68,19 @@ def report(path: str, top: int = 10) -> dict:
 
 def _engine_utilisation(path: str, hw) -> dict:
     """Per kernel with instruction rows: each engine's busy time (DeviceInstructions) over the
-    kernel's modelled time (its hardware events in SystemProfileEvents, as top_kernels)."""
+    modelled time of its programs (its hardware events' modelled time, a compiled graph's with
+    its extern calls)."""
     f = os.path.join(path, "DeviceInstructions.parquet")
     if not os.path.exists(f):  # traces exported before schema 1.3.0
         return {}
     ins = pq.read_table(f).to_pandas()
     out = {}
     for kernel, g in ins.groupby("kernel"):
-        # (uncorrelated profiles' rows all have correlation_id -1: the name tells them apart)
-        k = hw[(hw.name == kernel) & hw.correlation_id.isin(set(g.correlation_id))]
-        total = int(k.modelled_ns.sum())
+        if "program_ns" in g:  # one program per kernel event (schema 1.5.0)
+            total = int(g.drop_duplicates("kernel_event_id").program_ns.sum())
+        else:  # uncorrelated profiles' rows all have correlation_id -1: the name tells them apart
+            k = hw[(hw.name == kernel) & hw.correlation_id.isin(set(g.correlation_id))]
+            total = int(k.modelled_ns.sum())
         if total > 0:
             out[kernel] = {e: float(v) / total for e, v in g.groupby("engine").duration_ns.sum().items()}
     return out
