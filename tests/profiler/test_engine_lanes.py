@@ -76,8 +76,17 @@ def test_nki_kernel_lanes_nest_in_its_interval_and_match_simulator(tmp_path, act
     for lane, eng in _ENGINE_OF.items():
         got = sum(e["dur"] for e in inst if e["args"]["engine"] == lane) * 1e3
         assert got == pytest.approx(tl.busy[eng], rel=1e-6, abs=1e-3)
+    # A DMA spread over queues holds each of them for its interval: the queues' busy time is
+    # the timeline's DMA busy time over all its queues, and no queue runs two DMAs at once.
+    dma = [e for e in inst if e["args"]["engine"].startswith("DMA queue ")]
+    assert sum(e["dur"] for e in dma) * 1e3 == pytest.approx(tl.busy["dma"] * len(tl.queues), rel=1e-6)
+    for q in {e["args"]["engine"] for e in dma}:
+        spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in dma if e["args"]["engine"] == q)
+        assert all(a[1] <= b[0] + eps for a, b in zip(spans, spans[1:]))
+    assert len({e["args"]["engine"] for e in dma}) > 1
     # Same instructions (ISA names) on the same lanes at the same offsets from the kernel start.
-    want = sorted((lane, name, round(s, 1), round(d, 1)) for name, lane, s, d, _ in tl.events)
+    want = sorted((q, name, round(s, 1), round(d, 1)) for name, lane, s, d, args in tl.events
+                  for q in ([f"dma{i}" for i in args["queues"]] if args else [lane]))
     got = sorted((_lane_of(e["args"]["engine"]), e["name"],
                   round((e["ts"] - k["ts"]) * 1e3, 1), round(e["dur"] * 1e3, 1)) for e in inst)
     assert [g[:2] for g in got] == [w[:2] for w in want]
@@ -89,7 +98,7 @@ def _check_parquet(path, tl, k):
     ins = pq.read_table(os.path.join(path, "DeviceInstructions.parquet")).to_pandas()
     ev = pq.read_table(os.path.join(path, "SystemProfileEvents.parquet")).to_pandas()
     hw = ev[(ev.source == "hardware") & (ev.name == "nki:matmul_basic")]
-    assert len(hw) == 1 and len(ins) == len(tl.events)
+    assert len(hw) == 1 and len(ins) == sum(len(a["queues"]) if a else 1 for *_, a in tl.events)
     assert set(ins.correlation_id) == {int(hw.correlation_id.iloc[0])}
     assert set(ins.kernel) == {"nki:matmul_basic"}
     start, dur = int(hw.modelled_start_ns.iloc[0]), int(hw.modelled_ns.iloc[0])
@@ -114,7 +123,13 @@ def test_instruction_cap(tmp_path, monkeypatch):
     monkeypatch.setattr(_lanes, "MAX_INSTRUCTIONS_PER_KERNEL", 5)
     a, b = _operands("neuron")
     events = _profile(tmp_path, lambda: matmul_basic(a, b), [torch.profiler.ProfilerActivity.CPU])
-    assert len([e for e in events if e.get("cat") == "modelled_instruction"]) == 5
+    # The first 5 instructions in issue order, a DMA on each of its queues.
+    first = _reference().events[:5]
+    want = sorted((name, q) for name, lane, _, _, args in first
+                  for q in ([f"dma{i}" for i in args["queues"]] if args else [lane]))
+    got = sorted((e["name"], _lane_of(e["args"]["engine"])) for e in events
+                 if e.get("cat") == "modelled_instruction")
+    assert got == want and len(want) > 5
 
 
 def _elementwise(x, w):  # elementwise + reduction only: no extern call inside the graph

@@ -4,7 +4,7 @@ simulator timeline events here (the Timeline the latency came
 from; nothing is re-simulated). Nothing is kept when no profiler collects."""
 from __future__ import annotations
 
-from nki.simulator.trace import lane_index, lane_label
+from nki.simulator.trace import instruction_lanes, lane_index, lane_label
 
 # Instruction rows kept per kernel, so one large kernel does not flood the trace.
 MAX_INSTRUCTIONS_PER_KERNEL = 2000
@@ -19,12 +19,14 @@ def _capture(device: int, name: str, event_lists, program_ns: float = 0.0) -> No
     """``event_lists``: one Timeline's ``events`` per core of the kernel (or graph).
     ``program_ns``: the program's modelled time when its kernel interval holds only part of
     it (a compiled graph whose extern calls the eager runtime charges as kernels of their own)."""
-    rows = []
+    rows, n = [], 0
     for core, events in enumerate(event_lists):
-        for ev_name, lane, start, dur, _args in events:
-            if len(rows) >= MAX_INSTRUCTIONS_PER_KERNEL:
+        for ev_name, lane, start, dur, args in events:
+            if n >= MAX_INSTRUCTIONS_PER_KERNEL:
                 break
-            rows.append((core, lane, ev_name, start, dur))
+            n += 1
+            for q in instruction_lanes(lane, args):
+                rows.append((core, q, ev_name, start, dur))
     kernel = (device, name, rows, program_ns)
     for c in _collectors:
         c.append(kernel)
