@@ -195,3 +195,45 @@ def test_compiled_graph_lanes_nest_and_match_program_busy(tmp_path, f):
     # (DeviceInstructions durations are whole ns: up to 0.5 ns off per row)
     assert util.get("TensorE", 0.0) == pytest.approx(busy["tensor"] / gt.seconds,
                                                      abs=0.5 * len(ins) / (gt.seconds * 1e9))
+
+
+def _isa_lines(func) -> dict:
+    """{ISA instruction: {lines of the kernel's source that issue it}}, read from the source."""
+    import inspect
+    lines, first = inspect.getsourcelines(func)
+    out: dict = {}
+    for i, text in enumerate(lines):
+        for isa in ("dma_copy", "nc_matmul", "tensor_copy"):
+            if f"nisa.{isa}(" in text:
+                out.setdefault(isa, set()).add(first + i)
+    return out
+
+
+def test_nki_instructions_carry_their_kernel_source_line(tmp_path):
+    from nki.simulator import context
+    a, b = _operands("neuron")
+    events = _profile(tmp_path, lambda: matmul_basic(a, b), [torch.profiler.ProfilerActivity.CPU])
+    assert context.record_source is False          # off again once the profiler closed
+    inst = [e for e in events if e.get("cat") == "modelled_instruction"]
+    want = _isa_lines(matmul_basic.func)
+    file = os.path.realpath(matmul_basic.func.__code__.co_filename)
+    assert inst
+    for e in inst:
+        f, line = e["args"]["source"].rsplit(":", 1)
+        assert os.path.realpath(f) == file and int(line) in want[e["name"]]
+    ins = pq.read_table(os.path.join(str(tmp_path), "trace_0", "DeviceInstructions.parquet")).to_pandas()
+    assert len(ins) == len(inst)
+    assert {os.path.realpath(f) for f in ins.source_file} == {file}
+    for isa, g in ins.groupby("name"):
+        assert set(g.source_line) <= want[isa]
+    assert set(ins[ins.name == "dma_copy"].source_line) == want["dma_copy"]  # loads and store
+    # The query of docs/profiler.md: modelled engine time per kernel source line.
+    per_line = ins.groupby(["source_file", "source_line"]).duration_ns.sum()
+    assert per_line.sum() == ins.duration_ns.sum() and len(per_line) == len(set().union(*want.values()))
+
+
+def test_no_source_lines_recorded_without_profiler():
+    a, b = (t.numpy() for t in _operands("cpu"))
+    _, sim = runner.run(matmul_basic.func, (a, b), {}, timing=True)
+    events = sim.timelines[0].events
+    assert events and not any(args and "source_file" in args for *_, args in events)

@@ -90,7 +90,7 @@ class NeuronProfiler:
         self._kernels: list = []  # NKI kernels' instruction rows (see _lanes)
         from . import _lanes
         self._lanes = _lanes
-        _lanes._collectors.append(self._kernels)
+        _lanes._start(self._kernels)
         cost_model._drain()  # work queued before profiling is not this trace's
         cost_model._listeners.append(self._on_interval)
 
@@ -105,8 +105,7 @@ class NeuronProfiler:
             self._device.append(iv)
 
     def close(self) -> None:
-        if self._kernels in self._lanes._collectors:
-            self._lanes._collectors.remove(self._kernels)
+        self._lanes._stop(self._kernels)
         if self._on_interval in self._cost_model._listeners:
             self._cost_model._listeners.remove(self._on_interval)
 

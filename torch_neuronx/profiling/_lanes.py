@@ -1,15 +1,28 @@
 """Per-engine instruction lanes of NKI kernels and compiled graphs: while a
 ``NeuronProfiler`` collects, the NKI bridge and compile/cost.py hand each kernel's (graph's)
 simulator timeline events here (the Timeline the latency came
-from; nothing is re-simulated). Nothing is kept when no profiler collects."""
+from; nothing is re-simulated). Nothing is kept when no profiler collects, and only then does
+the simulator record each instruction's kernel source line."""
 from __future__ import annotations
 
+from nki.simulator import context as _sim_context
 from nki.simulator.trace import instruction_lanes, lane_index, lane_label
 
 # Instruction rows kept per kernel, so one large kernel does not flood the trace.
 MAX_INSTRUCTIONS_PER_KERNEL = 2000
 
 _collectors: list = []  # one list per collecting NeuronProfiler
+
+
+def _start(kernels: list) -> None:
+    _collectors.append(kernels)
+    _sim_context.record_source = True
+
+
+def _stop(kernels: list) -> None:
+    if kernels in _collectors:
+        _collectors.remove(kernels)
+    _sim_context.record_source = bool(_collectors)
 
 # Thread of the program intervals of compiled graphs that call extern kernels.
 _PROGRAM_TID = 1999
@@ -25,8 +38,10 @@ def _capture(device: int, name: str, event_lists, program_ns: float = 0.0) -> No
             if n >= MAX_INSTRUCTIONS_PER_KERNEL:
                 break
             n += 1
+            where = (args["source_file"], args["source_line"]) if args and "source_file" in args \
+                else ("", -1)
             for q in instruction_lanes(lane, args):
-                rows.append((core, q, ev_name, start, dur))
+                rows.append((core, q, ev_name, start, dur, where))
     kernel = (device, name, rows, program_ns)
     for c in _collectors:
         c.append(kernel)
@@ -54,14 +69,16 @@ def _trace_events(hw_rows, kernels, origin_us: float) -> tuple:
                            "dur": program_ns / 1e3,
                            "args": {"kernel": name, "modelled_ns": round(program_ns),
                                     "External id": corr}})
-        for core, lane, ev_name, s, dur in rows:
+        for core, lane, ev_name, s, dur, (file, line) in rows:
             label = lane_label(lane) + (f" (core {core})" if core else "")
             tid = 2000 + 100 * core + lane_index(lane)
             lanes.add((d, tid, label))
+            args = {"kernel": name, "engine": label, "External id": corr}
+            if line >= 0:
+                args["source"] = f"{file}:{line}"
             events.append({"ph": "X", "cat": "modelled_instruction", "name": ev_name,
                            "pid": 1000 + d, "tid": tid, "ts": origin_us + (start_ns + s) / 1e3,
-                           "dur": dur / 1e3,
-                           "args": {"kernel": name, "engine": label, "External id": corr}})
+                           "dur": dur / 1e3, "args": args})
             rows_out.append((corr, event_id, d, name, label, ev_name, round(start_ns + s),
-                             round(dur), span))
+                             round(dur), span, file, line))
     return events, lanes, rows_out

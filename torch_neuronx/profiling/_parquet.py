@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from torch.autograd import DeviceType
 
-PROFILE_SCHEMA_VERSION = "1.5.0"
+PROFILE_SCHEMA_VERSION = "1.6.0"
 
 # The Kineto plugin's host-side event for each kernel (csrc/profiler/kineto_plugin.cpp).
 RUNTIME_EVENT = "neuronLaunchKernel"
@@ -54,6 +54,8 @@ SCHEMA = {
         ("start_ns", pa.int64(), "start on the modelled Trainium timeline (modelled_start_ns's clock)"),
         ("duration_ns", pa.int64(), "modelled duration"),
         ("program_ns", pa.int64(), "modelled time of the program the instruction ran in, from the kernel's modelled start: the kernel's modelled_ns, or for a compiled graph that calls extern kernels the whole program's (its extern calls are eager kernels of their own, so it spans past the graph's event)"),
+        ("source_file", pa.string(), "NKI kernels: file of the kernel line that issued the instruction (innermost frame outside nki's own modules); empty otherwise"),
+        ("source_line", pa.int32(), "line in source_file; -1 when unknown (compiled graphs' instructions)"),
     ],
     "Metadata": [
         ("key", pa.string(), "metadata key (profile_schema_version, event counts, hardware_source)"),
