@@ -230,6 +230,20 @@ def test_nki_instructions_carry_their_kernel_source_line(tmp_path):
     # The query of docs/profiler.md: modelled engine time per kernel source line.
     per_line = ins.groupby(["source_file", "source_line"]).duration_ns.sum()
     assert per_line.sum() == ins.duration_ns.sum() and len(per_line) == len(set().union(*want.values()))
+    # explore's ranking of kernel lines: the costliest line is the one issuing the most
+    # engine time per the simulator's own timeline, recounted here by ISA name.
+    tl = _reference()
+    by_isa: dict = {}
+    for name, lane, _, dur, args in tl.events:
+        by_isa[name] = by_isa.get(name, 0.0) + dur * (len(args["queues"]) if args else 1)
+    lines = report(os.path.join(str(tmp_path), "trace_0"))["top_kernel_lines"]
+    assert lines[0]["kernel"] == "nki:matmul_basic"
+    assert sum(x["engine_ns"] for x in lines) == pytest.approx(sum(by_isa.values()), abs=len(ins))
+    at = {x["line"]: x["engine_ns"] for x in lines}
+    for isa in ("nc_matmul", "tensor_copy"):  # each issued from one line of the kernel
+        (line,) = want[isa]
+        assert at[line] == pytest.approx(by_isa[isa], abs=len(ins))
+    assert [x["engine_ns"] for x in lines] == sorted(at.values(), reverse=True)
 
 
 def test_no_source_lines_recorded_without_profiler():

@@ -63,6 +63,7 @@ def report(path: str, top: int = 10) -> dict:
         **_timeline_analysis(traced, host, top),
         "device_memory": _memory(path),
         "engine_utilisation": _engine_utilisation(path, hw),
+        "top_kernel_lines": _kernel_lines(path, top),
     }
 
 
@@ -84,6 +85,21 @@ def _engine_utilisation(path: str, hw) -> dict:
         if total > 0:
             out[kernel] = {e: float(v) / total for e, v in g.groupby("engine").duration_ns.sum().items()}
     return out
+
+
+def _kernel_lines(path: str, top: int) -> list:
+    """NKI kernel lines by the modelled engine time of the instructions they issued
+    (DeviceInstructions; a DMA counts once per queue it holds)."""
+    f = os.path.join(path, "DeviceInstructions.parquet")
+    if not os.path.exists(f):
+        return []
+    ins = pq.read_table(f).to_pandas()
+    if "source_line" not in ins:  # traces exported before schema 1.6.0
+        return []
+    ins = ins[ins.source_line >= 0]
+    busy = ins.groupby(["kernel", "source_file", "source_line"]).duration_ns.sum()
+    return [{"kernel": k, "file": f, "line": int(ln), "engine_ns": int(v)}
+            for (k, f, ln), v in busy.sort_values(ascending=False).head(top).items()]
 
 
 def _memory(path: str) -> dict:
@@ -209,6 +225,10 @@ def format_text(r: dict) -> str:
         for g in r["idle_gaps"][:5]:
             out.append(f"  idle {g['idle_ns'] / 1e3:.1f} us on neuron:{g['device']} before "
                        f"{g['next_kernel']} ({g['file']}:{g['line']})")
+    if r.get("top_kernel_lines"):
+        out.append("top NKI kernel lines by modelled engine time:")
+        for s in r["top_kernel_lines"]:
+            out.append(f"  {s['kernel']} {s['file']}:{s['line']}  {s['engine_ns'] / 1e3:.2f} us")
     for kernel, util in r["engine_utilisation"].items():
         out.append(f"{kernel} engine utilisation: " + ", ".join(
             f"{e} {100 * u:.0f}%" for e, u in sorted(util.items(), key=lambda x: -x[1])))
