@@ -1,6 +1,8 @@
-"""Parquet export of a 100k-event trace (target < 5 s), and profiler overhead on the demo
-GPT train step: neuron with host ops only, with the Kineto plugin's device events, and with
-stacks, vs CPU's own profiler overhead on CPU (paired medians, interleaved in one process)."""
+"""Parquet export of a 100k-event trace (target < 5 s), the NKI simulator's per-instruction
+cost with kernel source lines recorded (as while a NeuronProfiler collects) vs not, and
+profiler overhead on the demo GPT train step: neuron with host ops only, with the Kineto
+plugin's device events, and with stacks, vs CPU's own profiler overhead on CPU (paired
+medians, interleaved in one process)."""
 import statistics
 import tempfile
 import time
@@ -21,6 +23,37 @@ def _export_100k():
             export_parquet(d, device_events=dev)
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _nki_source_lines():
+    """(us per instruction off, on, median on/off ratio) of nki.benchmark on small tiles,
+    source-line recording alternating in one process."""
+    import numpy as np
+    from bench_nki import small_ops  # (bench/ is on the path when run as a script)
+
+    import nki
+    from nki.simulator import context
+
+    x = np.random.default_rng(0).standard_normal((128, 64)).astype(np.float32)
+    bm, iters = nki.benchmark(small_ops), 1000
+    bm(x, 10)
+
+    def one(flag):
+        context.record_source = flag
+        try:
+            t0 = time.perf_counter()
+            bm(x, iters)
+            return (time.perf_counter() - t0) / (3 * iters + 1) * 1e6
+        finally:
+            context.record_source = False
+
+    off, on = [], []
+    for i in range(9):  # alternating which goes first
+        pair = (one(True), one(False)) if i % 2 else (one(False), one(True))[::-1]
+        on.append(pair[0])
+        off.append(pair[1])
+    return (statistics.median(off), statistics.median(on),
+            statistics.median(a / b for a, b in zip(on, off)))
 
 
 STEPS = 5  # per profiled session, so profiler start/stop is part of the cost but not all of it
@@ -59,6 +92,9 @@ def _timed(device, mode, step, x, y, tmp):
 
 def main():
     print(f"parquet export, 100k events: median {_export_100k():.2f} s (target < 5 s)")
+    off, on, ratio = _nki_source_lines()
+    print(f"NKI simulator with timing, per instruction: {off:.1f} us, with kernel source lines "
+          f"{on:.1f} us (median of paired ratios {ratio:.3f}x)")
     with tempfile.TemporaryDirectory() as tmp:
         setups = {}
         for device in ("neuron", "cpu"):

@@ -3,6 +3,8 @@ its launch grid, and (when timing) the engine timelines. Instructions report her
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 import numpy as np
 from neuronhw import get_profile
@@ -14,6 +16,25 @@ from .memory import Allocator
 from .tensor import Buffer, NkiTensor, new_id, take_spare
 from .tensore import busy, drain
 from .timing import Timeline
+
+
+# Set while a profiler wants each instruction's kernel source line (torch_neuronx's
+# NeuronProfiler); otherwise issuing an instruction costs one flag test more.
+record_source = False
+_NKI_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_EXAMPLES_DIR = _NKI_DIR + "examples" + os.sep
+
+
+def _source_args():
+    """The instruction's timeline args: the innermost frame outside nki's own modules (the
+    kernel's line; nki's example kernels are kernels)."""
+    f = sys._getframe(2)
+    while f is not None:
+        file = f.f_code.co_filename
+        if not file.startswith(_NKI_DIR) or file.startswith(_EXAMPLES_DIR):
+            return {"source_file": file, "source_line": f.f_lineno}
+        f = f.f_back
+    return None
 
 
 def _touches_busy(reads, writes) -> bool:
@@ -119,7 +140,7 @@ class Sim:
             w.buf.written = True
         if self.timing:
             self.tl.compute(name, engine, cycles, [t.box() for t in reads], [t.box() for t in writes],
-                            not_before=not_before)
+                            _source_args() if record_source else None, not_before=not_before)
 
     def dma(self, name, dst, src, efficiency=1.0, transpose=False, not_before=0.0):
         self.count += 1
@@ -134,7 +155,9 @@ class Sim:
             rows = onchip.shape[0] if onchip.kind != "hbm" else math.prod(dst.shape[:-1]) or 1
             row_bytes = max(1, nbytes // max(rows, 1))
             self.tl.dma(name, nbytes, rows, row_bytes, "hbm" in (dst.kind, src.kind),
-                        [src.box()], [dst.box()], efficiency, transpose=transpose, not_before=not_before)
+                        [src.box()], [dst.box()], efficiency,
+                        _source_args() if record_source else None, transpose=transpose,
+                        not_before=not_before)
 
     def ns(self, engine, cycles):
         return self.tl.compute_ns(engine, cycles) if self.tl else 0.0

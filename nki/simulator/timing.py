@@ -156,6 +156,8 @@ class Timeline:
         self.busy["dma"] += (end - start) * k / len(self.queues)
         self.dma_bytes += nbytes
         self._record("dma", reads, writes, end)
+        if k > 1:  # the event sits on its first queue; traces show it on each
+            args = {**args, "queues": order} if args else {"queues": order}
         self.events.append((name, f"dma{order[0]}", start, end - start, args))
         self.end = max(self.end, end)
         return end

@@ -268,13 +268,14 @@ def test_explore_writes_a_snapshot_of_the_profile(tmp_path, capsys):
     handler = NeuronProfiler(cfg)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                 profile_memory=True, with_stack=True, experimental_config=cfg,
-                                on_trace_ready=handler.export_trace):
+                                on_trace_ready=handler.export_trace) as prof:
         x = _bytes(MIB2)
         p = x.data_ptr()
         del x
         torch.neuron.synchronize()
     handler.close()
     trace_dir = tmp_path / "trace_0"
+    _check_memory_rows_against_torch(trace_dir, prof, p)
     assert explore_main([str(trace_dir), "--json"]) == 0
     assert "memory_snapshot" in capsys.readouterr().out
     snap = pickle.loads((trace_dir / "memory_snapshot.pickle").read_bytes())
@@ -286,3 +287,26 @@ def test_explore_writes_a_snapshot_of_the_profile(tmp_path, capsys):
         os.path.basename(__file__)
     assert _memory_viz.trace_plot(snap).lstrip().startswith("<!DOCTYPE html>")
     _memory_viz.segsum(snap)
+
+
+def _check_memory_rows_against_torch(trace_dir, prof, p):
+    """DeviceMemory's times are on SystemProfileEvents' clock and each row names the op it
+    happened in: checked against torch's own FunctionEvents of the run."""
+    import pyarrow.parquet as pq
+    m = pq.read_table(str(trace_dir / "DeviceMemory.parquet")).to_pandas()
+    ev = pq.read_table(str(trace_dir / "SystemProfileEvents.parquet")).to_pandas()
+    fe = {e.id: e for e in prof.events()}
+    mine = m[m.addr == p]
+    assert list(mine.bytes) == [MIB2, -MIB2]
+    alloc, free = mine.iloc[0], mine.iloc[1]
+    op = fe[int(alloc.correlation_id)]      # the op torch timed around the allocation
+    assert op.name == "aten::empty"
+    row = ev[(ev.source == "framework") & (ev.correlation_id == alloc.correlation_id)].iloc[0]
+    assert row.start_ns <= alloc.time_ns <= row.start_ns + row.duration_ns
+    # start_ns is the FunctionEvents' clock shifted by one origin, shared by every row.
+    origin_us = op.time_range.start - row.start_ns / 1e3
+    other = ev[(ev.source == "framework") & (ev.correlation_id > 0)].iloc[-1]
+    assert fe[int(other.correlation_id)].time_range.start == pytest.approx(
+        origin_us + other.start_ns / 1e3, abs=2e-3)
+    assert free.correlation_id == -1        # `del x` runs in no op
+    assert free.time_ns > alloc.time_ns

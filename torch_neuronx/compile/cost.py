@@ -19,6 +19,8 @@ import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from ..profiling import _lanes
+
 # Loop-body operations that are data movement or indexing, not engine work.
 _NOT_COMPUTE = {"load", "store", "store_reduction", "index_expr", "constant", "get_index",
                 "load_seed", "indirect_indexing", "masked", "check_bounds", "placeholder",
@@ -338,13 +340,14 @@ def charge(device: int, phase: str, label: str, bufs, items) -> None:
         for e, sec in prog.busy.items():
             g.by_engine[e] += sec
             r.busy[e] += sec
-    if rest:
-        from ..profiling import _lanes
-        # With extern calls the program spans more than this interval: no lanes then.
-        if _lanes._collectors and not eager:
-            _lanes._capture(device, "compiled_graph", [prog.events])
+    if rest or _lanes._collectors:
+        if _lanes._collectors:  # with extern calls the program spans more than `rest`
+            _lanes._capture(device, "compiled_graph", [prog.events], prog.seconds * 1e9 if eager else 0.0)
+        # Extern calls charged above the program's time leave it nothing: while a profile
+        # collects, a zero-length event (no launch, no bytes) still anchors its lanes.
         cost_model._add_time(device, "compiled_graph", rest, engine="fused",
-                             launches=prog.launches, hbm_bytes=prog.hbm_bytes)
+                             launches=prog.launches if rest else 0,
+                             hbm_bytes=prog.hbm_bytes if rest else 0)
 
 
 def modelled_graph_time(device=None, reset: bool = False) -> GraphTime:

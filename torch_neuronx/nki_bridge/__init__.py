@@ -17,6 +17,7 @@ import nki.frameworks
 from nki.errors import UnsupportedError
 
 from .. import _C, cost_model
+from ..profiling import _lanes
 
 # torch dtypes NumPy lacks: viewed through an integer dtype of the same width.
 _BITS = {"bfloat16": ("int16", ml_dtypes.bfloat16), "float8_e4m3fn": ("int8", ml_dtypes.float8_e4m3fn),
@@ -99,7 +100,6 @@ class TorchBridge:
         return out
 
     def kernel_ran(self, device, name: str, latency_ns: float) -> None:
-        from ..profiling import _lanes
         if _lanes._collectors:  # a profile is recording: keep the kernel's instruction lanes
             from nki.simulator import context
             _lanes._capture(device.index or 0, f"nki:{name}", [tl.events for tl in context.current().timelines])

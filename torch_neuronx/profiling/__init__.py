@@ -90,7 +90,7 @@ class NeuronProfiler:
         self._kernels: list = []  # NKI kernels' instruction rows (see _lanes)
         from . import _lanes
         self._lanes = _lanes
-        _lanes._collectors.append(self._kernels)
+        _lanes._start(self._kernels)
         cost_model._drain()  # work queued before profiling is not this trace's
         cost_model._listeners.append(self._on_interval)
 
@@ -105,8 +105,7 @@ class NeuronProfiler:
             self._device.append(iv)
 
     def close(self) -> None:
-        if self._kernels in self._lanes._collectors:
-            self._lanes._collectors.remove(self._kernels)
+        self._lanes._stop(self._kernels)
         if self._on_interval in self._cost_model._listeners:
             self._cost_model._listeners.remove(self._on_interval)
 
@@ -122,12 +121,14 @@ class NeuronProfiler:
             device, self._device = self._device, []
             kernels, self._kernels[:] = list(self._kernels), []
         path = os.path.join(out, f"trace_{n}")
+        from ._allocations import allocations
         from ._parquet import export_parquet
         file = os.path.join(out, f"trace_{n}.json")
         trace = _chrome_trace(prof, file)
         table = export_parquet(path, host_events=prof.events(), device_events=device,
                                kernel_meta=_kernel_args(trace), cores=self.config.cores,
-                               max_per_device=self.config.max_events_per_nc, trace=trace)
+                               max_per_device=self.config.max_events_per_nc,
+                               allocs=allocations(prof))
         from ._parquet import instructions_table, pq
         rows = _add_lanes(trace, table, file, kernels)
         pq.write_table(instructions_table(rows), os.path.join(path, "DeviceInstructions.parquet"))
@@ -177,9 +178,10 @@ def _add_lanes(trace: dict, table, file: str, kernels=()) -> list:
     hw = table.filter(pa_compute.equal(table["source"], "hardware")).to_pydict()
     lanes = set()
     nki_rows = []
-    for d, q, eng, name, start, dur, corr in zip(hw["device"], hw["queue"], hw["engine"],
-                                                 hw["name"], hw["modelled_start_ns"],
-                                                 hw["modelled_ns"], hw["correlation_id"]):
+    for i, d, q, eng, name, start, dur, corr in zip(hw["event_id"], hw["device"], hw["queue"],
+                                                    hw["engine"], hw["name"],
+                                                    hw["modelled_start_ns"], hw["modelled_ns"],
+                                                    hw["correlation_id"]):
         tid = _ENGINE_LANES.get(eng, q)
         lanes.add((d, tid, eng if tid != q else f"queue {q}"))
         events.append({"ph": "X", "cat": "modelled_kernel", "name": name, "pid": 1000 + d,
@@ -187,7 +189,7 @@ def _add_lanes(trace: dict, table, file: str, kernels=()) -> list:
                        "args": {"queue": q, "device": d, "engine": eng, "modelled_ns": dur,
                                 "External id": corr}})
         if eng in ("nki", "fused"):
-            nki_rows.append((d, name, start, corr))
+            nki_rows.append((i, d, name, start, dur, corr))
     from ._lanes import _trace_events
     inner, inner_lanes, rows = _trace_events(nki_rows, kernels, origin)
     events.extend(inner)

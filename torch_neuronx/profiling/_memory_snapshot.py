@@ -3,15 +3,12 @@ pytorch.org/memory_viz) from an exported profile's DeviceMemory table, as torch'
 ``_memory_viz.profile_plot`` builds one from a profile's memory events.
 
 The table has the allocator's block sizes and addresses but no requested sizes, streams or
-stacks: each event's frame is the innermost host op running when it happened (its source line
-when the profile had ``with_stack=True``)."""
+stacks: each event's frame is the innermost op it happened in (its ``correlation_id``), with
+that op's source line when the profile had ``with_stack=True``."""
 from __future__ import annotations
 
 import os
 import pickle
-import re
-
-import numpy as np
 import pyarrow.parquet as pq
 
 SNAPSHOT_FILE = "memory_snapshot.pickle"
@@ -26,7 +23,10 @@ def snapshot(path: str) -> dict | None:
     if m.empty:
         return None
     ev = pq.read_table(os.path.join(path, "SystemProfileEvents.parquet")).to_pandas()
-    frames = _op_frames(ev[ev.source == "framework"], m.time_ns.to_numpy())
+    if "correlation_id" in m:
+        frames = _op_frames(ev[ev.source == "framework"], m.correlation_id.to_numpy())
+    else:  # exported before schema 1.4.0: the events are not linked to ops
+        frames = [[]] * len(m)
     traces = [[] for _ in range(int(m.device.max()) + 1)]
     live = {}
     for row, fr in zip(m.itertuples(index=False), frames):
@@ -64,43 +64,17 @@ def write(path: str, out_dir: str) -> str | None:
     return out
 
 
-# torch.profiler's names of Python-function events (with_stack=True): "file.py(12): f",
-# "<built-in method ...>". They are not ops: the frame names the op that allocated.
-_PY_EVENT = re.compile(r"\(\d+\): |^<built-in ")
-
-
-# Memory events and op events come from two clocks, reconciled through matched ops
-# (_parquet._trace_origin): an event that lands outside every op by less than this is the
-# nearest op's (an allocation happens inside an op; a miss of that size is the clocks').
-_NEAREST_NS = 1_000_000
-
-
-def _op_frames(ops, times: np.ndarray) -> list:
-    """Per time: [frame of the innermost host op running then] (of the nearest op within
-    _NEAREST_NS when none runs then; [] beyond)."""
-    ops = ops[(ops.duration_ns >= 0) & ~ops.name.str.contains(_PY_EVENT)].sort_values("start_ns")
-    start = ops.start_ns.to_numpy()
-    end = start + ops.duration_ns.to_numpy()
-    # Ops before index j end no later than reach[j]: the walk back stops there.
-    reach = np.maximum.accumulate(end) if len(end) else end
-    names, files, lines = ops.name.to_numpy(), ops.source_file.to_numpy(), ops.source_line.to_numpy()
-    def frame(j):
-        has_line = lines[j] >= 0
-        return [{"filename": files[j] if has_line else "<host op>",
-                 "line": int(lines[j]) if has_line else 0, "name": names[j]}]
+def _op_frames(ops, corr) -> list:
+    """Per memory event: [frame of the op it happened in], [] outside every op."""
+    by_id = {int(c): (n, f, ln) for c, n, f, ln in zip(ops.correlation_id, ops.name,
+                                                          ops.source_file, ops.source_line)}
     out = []
-    for t in times:
-        j = int(np.searchsorted(start, t, side="right")) - 1
-        found = None
-        # The innermost op running at t is the latest-starting one still running.
-        while j >= 0 and reach[j] >= t:
-            if end[j] >= t:
-                found = j
-                break
-            j -= 1
-        if found is None and len(start):
-            gap = np.maximum(start - t, t - end)   # distance to each op's interval
-            k = int(np.argmin(gap))
-            found = k if gap[k] <= _NEAREST_NS else None
-        out.append(frame(found) if found is not None else [])
+    for c in corr:
+        op = by_id.get(int(c))
+        if op is None:
+            out.append([])
+            continue
+        name, file, line = op
+        out.append([{"filename": file if line >= 0 else "<host op>",
+                     "line": int(line) if line >= 0 else 0, "name": name}])
     return out

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from torch.autograd import DeviceType
 
-PROFILE_SCHEMA_VERSION = "1.3.0"
+PROFILE_SCHEMA_VERSION = "1.6.0"
 
 # The Kineto plugin's host-side event for each kernel (csrc/profiler/kineto_plugin.cpp).
 RUNTIME_EVENT = "neuronLaunchKernel"
@@ -42,15 +42,20 @@ SCHEMA = {
         ("bytes", pa.int64(), "block size: positive for an allocation, negative for a free"),
         ("total_allocated", pa.int64(), "bytes allocated on the device after this event (the allocator's allocated_bytes.all.current)"),
         ("total_reserved", pa.int64(), "bytes the allocator holds from the device after this event (reserved_bytes.all.current)"),
+        ("correlation_id", pa.int64(), "correlation_id of the innermost framework event (op) the allocation or free happened in; -1 outside every op (e.g. a Python del) or on a device queue's thread"),
     ],
     "DeviceInstructions": [
         ("correlation_id", pa.int64(), "correlation_id of the kernel's hardware event in SystemProfileEvents"),
+        ("kernel_event_id", pa.int64(), "event_id of the kernel's hardware event in SystemProfileEvents (unique also when uncorrelated)"),
         ("device", pa.int32(), "neuron device index"),
-        ("kernel", pa.string(), "kernel name (nki:<function>)"),
-        ("engine", pa.string(), "TensorE, VectorE, ScalarE, GpSimd or DMA qN (suffixed ' (core N)' past a kernel's first core)"),
+        ("kernel", pa.string(), "kernel name (nki:<function>, compiled_graph)"),
+        ("engine", pa.string(), "TensorE, VectorE, ScalarE, GpSimd or DMA queue N (suffixed ' (core N)' past a kernel's first core)"),
         ("name", pa.string(), "ISA instruction name"),
         ("start_ns", pa.int64(), "start on the modelled Trainium timeline (modelled_start_ns's clock)"),
         ("duration_ns", pa.int64(), "modelled duration"),
+        ("program_ns", pa.int64(), "modelled time of the program the instruction ran in, from the kernel's modelled start: the kernel's modelled_ns, or for a compiled graph that calls extern kernels the whole program's (its extern calls are eager kernels of their own, so it spans past the graph's event)"),
+        ("source_file", pa.string(), "NKI kernels: file of the kernel line that issued the instruction (innermost frame outside nki's own modules); empty otherwise"),
+        ("source_line", pa.int32(), "line in source_file; -1 when unknown (compiled graphs' instructions)"),
     ],
     "Metadata": [
         ("key", pa.string(), "metadata key (profile_schema_version, event counts, hardware_source)"),
@@ -110,6 +115,18 @@ def _surviving_op(corr: int, ops) -> int:
     return corr
 
 
+def _ns(us) -> np.ndarray:
+    # FunctionEvent times are float microseconds since the trace start.
+    return (np.asarray(us, dtype=np.float64) * 1e3).astype(np.int64)
+
+
+def _origin_ns(host_events) -> int:
+    """start_ns 0: the first framework event's start (the first event's without any)."""
+    framework = [e.time_range.start for e in host_events if _is_framework(e)]
+    starts = framework or [e.time_range.start for e in host_events]
+    return int(_ns(starts).min()) if starts else 0
+
+
 def _is_framework(e) -> bool:
     """A torch.profiler op (not a device kernel, not a launch)."""
     return e.device_type != DeviceType.PrivateUse1 and e.name != RUNTIME_EVENT
@@ -157,8 +174,7 @@ def events_table(host_events=(), device_events=(), kernel_meta=None, cores=None,
             lines.append(ln)
     n = len(names)
     nf, nr, nk = (len(rows[k]) for k in ("framework", "runtime", "hardware"))
-    # FunctionEvent times are float microseconds.
-    start = (np.asarray(starts, dtype=np.float64) * 1e3).astype(np.int64)
+    start = _ns(starts)
     origin = int(start[:nf].min()) if nf else (int(start.min()) if n else 0)
     start -= origin
     dur = (np.asarray(durs, dtype=np.float64) * 1e3).astype(np.int64)
@@ -232,46 +248,26 @@ def events_table(host_events=(), device_events=(), kernel_meta=None, cores=None,
     return _table("SystemProfileEvents", cols)
 
 
-def memory_table(trace: dict, host_events=()) -> pa.Table:
-    """The neuron allocator's ``[memory]`` events of a chrome trace (torch.profiler with
-    ``profile_memory=True``), on the ``start_ns`` clock of ``host_events``."""
-    events = trace.get("traceEvents", [])
-    origin = _trace_origin(events, host_events)
-    mem = [e for e in events if e.get("name") == "[memory]"
-           and e.get("args", {}).get("Device Type") == int(DeviceType.PrivateUse1)]
-    mem.sort(key=lambda e: e["ts"])
-    a = [e["args"] for e in mem]
+def memory_table(allocs=(), origin_ns: int = 0, ops=frozenset()) -> pa.Table:
+    """DeviceMemory from ``_allocations.allocations`` rows: times on ``start_ns``'s clock
+    (``origin_ns`` is its 0), each event linked to the innermost of its enclosing ops that
+    ``ops`` (the framework rows' ids) holds."""
+    rows = list(allocs)
+    cols = list(zip(*rows)) if rows else [()] * 7
+    corr = [next((i for i in ids if i in ops), -1) for ids in cols[6]]
     return _table("DeviceMemory", {
-        "time_ns": np.asarray([round((e["ts"] - origin) * 1e3) for e in mem], dtype=np.int64),
-        "device": np.asarray([x["Device Id"] for x in a], dtype=np.int32),
-        "addr": np.asarray([x["Addr"] for x in a], dtype=np.int64),
-        "bytes": np.asarray([x["Bytes"] for x in a], dtype=np.int64),
-        "total_allocated": np.asarray([x["Total Allocated"] for x in a], dtype=np.int64),
-        "total_reserved": np.asarray([x["Total Reserved"] for x in a], dtype=np.int64)})
-
-
-def _trace_origin(events, host_events) -> float:
-    """The chrome trace's ts (us) of start_ns 0 (the first framework event's start). The two
-    clocks differ by more than their first events (the chrome trace may start with events
-    torch.profiler leaves out of its FunctionEvents): the median over ops of an op's ts minus
-    its FunctionEvent start, matched by id (the chrome event's "External id") and name. Without ops, the first host
-    event of the chrome trace."""
-    framework = [e for e in host_events if _is_framework(e)]
-    starts = {(e.id, e.name): e.time_range.start for e in framework}
-    # Every matched op gives the offset; the median is robust to a pair matched wrongly.
-    offsets = [e["ts"] - starts[key] for e in events
-               if e.get("ph") == "X" and e.get("cat") == "cpu_op"
-               and (key := (e.get("args", {}).get("External id"), e.get("name"))) in starts]
-    if offsets:
-        return float(np.median(offsets)) + min(starts.values())
-    host_ts = [e["ts"] for e in events if e.get("ph") == "X" and e.get("cat") != "kernel"]
-    return min(host_ts) if host_ts else 0.0
+        "time_ns": np.asarray(cols[0], dtype=np.int64) - origin_ns,
+        "device": np.asarray(cols[1], dtype=np.int32),
+        "addr": np.asarray(cols[2], dtype=np.int64),
+        "bytes": np.asarray(cols[3], dtype=np.int64),
+        "total_allocated": np.asarray(cols[4], dtype=np.int64),
+        "total_reserved": np.asarray(cols[5], dtype=np.int64),
+        "correlation_id": np.asarray(corr, dtype=np.int64)})
 
 
 def instructions_table(rows) -> pa.Table:
-    """DeviceInstructions from ``(correlation_id, device, kernel, engine, name, start_ns,
-    duration_ns)`` rows."""
-    cols = list(zip(*rows)) if rows else [()] * 7
+    """DeviceInstructions from rows of its columns, in order."""
+    cols = list(zip(*rows)) if rows else [()] * len(SCHEMA["DeviceInstructions"])
     return _table("DeviceInstructions", {
         c: (np.asarray(v, dtype=np.int64) if ty == pa.int64() else
             np.asarray(v, dtype=np.int32) if ty == pa.int32() else list(v))
@@ -279,10 +275,10 @@ def instructions_table(rows) -> pa.Table:
 
 
 def export_parquet(path: str, host_events=(), device_events=(), kernel_meta=None, cores=None,
-                   max_per_device=None, trace=None):
+                   max_per_device=None, allocs=()):
     """Writes the tables into directory ``path``; returns the SystemProfileEvents table.
-    Arguments as ``events_table``'s; ``trace``: the chrome trace, whose memory events make
-    the DeviceMemory table."""
+    Arguments as ``events_table``'s; ``allocs``: the profile's allocator events
+    (``_allocations.allocations``), which make the DeviceMemory table."""
     os.makedirs(path, exist_ok=True)
     events = events_table(host_events, device_events, kernel_meta, cores, max_per_device)
     src = events["source"].to_numpy(zero_copy_only=False)
@@ -295,7 +291,8 @@ def export_parquet(path: str, host_events=(), device_events=(), kernel_meta=None
             "hardware_source": "kineto" if traced else "cost_model"}
     tables = {
         "SystemProfileEvents": events,
-        "DeviceMemory": memory_table(trace or {}, host_events),
+        "DeviceMemory": memory_table(allocs, _origin_ns(host_events),
+                                     frozenset(events["correlation_id"].to_numpy()[src == "framework"].tolist())),
         "Metadata": _table("Metadata", {"key": list(meta), "value": list(meta.values())}),
         "SchemaFields": _table("SchemaFields", {
             "table": [t for t, f in SCHEMA.items() for _ in f],

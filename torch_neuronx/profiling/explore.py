@@ -63,24 +63,43 @@ def report(path: str, top: int = 10) -> dict:
         **_timeline_analysis(traced, host, top),
         "device_memory": _memory(path),
         "engine_utilisation": _engine_utilisation(path, hw),
+        "top_kernel_lines": _kernel_lines(path, top),
     }
 
 
 def _engine_utilisation(path: str, hw) -> dict:
     """Per kernel with instruction rows: each engine's busy time (DeviceInstructions) over the
-    kernel's modelled time (its hardware events in SystemProfileEvents, as top_kernels)."""
+    modelled time of its programs (its hardware events' modelled time, a compiled graph's with
+    its extern calls)."""
     f = os.path.join(path, "DeviceInstructions.parquet")
     if not os.path.exists(f):  # traces exported before schema 1.3.0
         return {}
     ins = pq.read_table(f).to_pandas()
     out = {}
     for kernel, g in ins.groupby("kernel"):
-        # (uncorrelated profiles' rows all have correlation_id -1: the name tells them apart)
-        k = hw[(hw.name == kernel) & hw.correlation_id.isin(set(g.correlation_id))]
-        total = int(k.modelled_ns.sum())
+        if "program_ns" in g:  # one program per kernel event (schema 1.5.0)
+            total = int(g.drop_duplicates("kernel_event_id").program_ns.sum())
+        else:  # uncorrelated profiles' rows all have correlation_id -1: the name tells them apart
+            k = hw[(hw.name == kernel) & hw.correlation_id.isin(set(g.correlation_id))]
+            total = int(k.modelled_ns.sum())
         if total > 0:
             out[kernel] = {e: float(v) / total for e, v in g.groupby("engine").duration_ns.sum().items()}
     return out
+
+
+def _kernel_lines(path: str, top: int) -> list:
+    """NKI kernel lines by the modelled engine time of the instructions they issued
+    (DeviceInstructions; a DMA counts once per queue it holds)."""
+    f = os.path.join(path, "DeviceInstructions.parquet")
+    if not os.path.exists(f):
+        return []
+    ins = pq.read_table(f).to_pandas()
+    if "source_line" not in ins:  # traces exported before schema 1.6.0
+        return []
+    ins = ins[ins.source_line >= 0]
+    busy = ins.groupby(["kernel", "source_file", "source_line"]).duration_ns.sum()
+    return [{"kernel": k, "file": f, "line": int(ln), "engine_ns": int(v)}
+            for (k, f, ln), v in busy.sort_values(ascending=False).head(top).items()]
 
 
 def _memory(path: str) -> dict:
@@ -206,6 +225,10 @@ def format_text(r: dict) -> str:
         for g in r["idle_gaps"][:5]:
             out.append(f"  idle {g['idle_ns'] / 1e3:.1f} us on neuron:{g['device']} before "
                        f"{g['next_kernel']} ({g['file']}:{g['line']})")
+    if r.get("top_kernel_lines"):
+        out.append("top NKI kernel lines by modelled engine time:")
+        for s in r["top_kernel_lines"]:
+            out.append(f"  {s['kernel']} {s['file']}:{s['line']}  {s['engine_ns'] / 1e3:.2f} us")
     for kernel, util in r["engine_utilisation"].items():
         out.append(f"{kernel} engine utilisation: " + ", ".join(
             f"{e} {100 * u:.0f}%" for e, u in sorted(util.items(), key=lambda x: -x[1])))
