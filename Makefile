@@ -26,6 +26,7 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q -n 2 --timeout 900 --durations=15 tests
 	$(MAKE) test-serving
+	$(MAKE) test-omni
 
 # Holistic Trace Analysis pulls Jupyter, so it gets its own target (and CI step).
 test-hta: setup
