@@ -21,6 +21,7 @@ def register() -> str | None:
     no neuron device is visible (``NEURON_RT_NUM_CORES=0``), as the LLM plugin decides."""
     return PLATFORM if _register_llm() is not None else None
 
+
 # Diffusion attention through torch's scaled_dot_product_attention, which the device runs
 # with CPU numerics; flash/sage/TRT-LLM backends are CUDA kernels.
 _SDPA = "TORCH_SDPA"
