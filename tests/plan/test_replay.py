@@ -412,3 +412,61 @@ def test_pipeline_bubble_of_equal_stages_is_the_gpipe_formula():
 def test_bad_pipeline_layouts_raise_clear_errors(traced, kwargs, match):
     with pytest.raises(ValueError, match=match):
         traced.replay_layout(**kwargs)
+
+
+import _ep_step as ep_script  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def traced_moe():
+    with _unfused():
+        return ep_script.traced_step("single", torch.device("neuron", 0))[0]
+
+
+def test_expert_parallel_replay_equals_a_real_2_rank_run(traced_moe):
+    """A mixture-of-experts block on 2 ranks (2 of its 4 experts each, tokens dispatched and
+    combined with all_to_all_single, the router and projection data parallel): each rank's
+    replayed busy time (the traced non-expert ops, its experts' ops once per source rank, the
+    counts exchange, the re-priced cats, the gradient accumulation, the all_to_alls and the
+    all-reduces) equals that rank's modelled clock, collective by collective. The step
+    waits for the slowest rank."""
+    predicted = traced_moe.replay_layout(ep=2, ep_experts="experts.*")
+    real = ranks(2, "_ep_step.py", "ep")
+    assert len(predicted.stages) == 2
+    busy = []
+    for rank, r in zip(predicted.stages, real):
+        assert [c[:3] for c in r["collectives"]] == [list(c[:3]) for c in rank.collectives]
+        assert [c[4] for c in r["collectives"]] == pytest.approx(
+            [c[3] for c in rank.collectives], rel=1e-12)
+        busy.append(rank.device_seconds + rank.collective_seconds)
+        assert r["seconds"] == pytest.approx(busy[-1], rel=1e-9)
+        assert r["flops"] == pytest.approx(rank.flops, rel=1e-12)
+    # the ranks' experts got different token counts: the step is the slower rank's
+    assert busy[0] != busy[1]
+    assert predicted.seconds == max(busy)
+    assert predicted is predicted.stages[busy.index(max(busy))]
+    assert [s.bubble_seconds for s in predicted.stages] == pytest.approx(
+        [max(busy) - b for b in busy], rel=1e-12, abs=1e-18)
+    # the expert-parallel block computes what the block does on the CPU with every expert
+    model, _ = ep_script.build("single", "cpu")
+    x = torch.randn(ep_script.TOKENS, ep_script.DIM, generator=torch.Generator().manual_seed(0))
+    want = model(x).square().mean().item()
+    assert [r["loss"] for r in real] == pytest.approx([want] * 2, rel=1e-6)
+
+
+def test_expert_parallel_replay_lists_experts_by_name_or_glob(traced_moe):
+    by_glob = traced_moe.replay_layout(ep=2, ep_experts="experts.*")
+    by_name = traced_moe.replay_layout(ep=2, ep_experts=[f"experts.{i}" for i in range(4)])
+    assert by_glob.seconds == by_name.seconds
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(ep=2), r"ep=2 needs ep_experts"),
+    (dict(ep=3, ep_experts="experts.*"), r"ep=3 does not divide the 4 experts"),
+    (dict(ep=2, ep_experts="moe.*"), r"ep_experts='moe.\*' matches no submodule"),
+    (dict(ep=2, ep_experts=["experts.0", "experts.9"]), r"ep_experts names 'experts.9'"),
+    (dict(ep=2, ep_experts="experts.*", tp=2), r"tp=2 with ep=2 is not replayed"),
+])
+def test_bad_expert_parallel_layouts_raise_clear_errors(traced_moe, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        traced_moe.replay_layout(**kwargs)

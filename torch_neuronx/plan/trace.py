@@ -10,8 +10,8 @@ rank thus predicts the step on N ranks (tests/plan checks it against a real 2-ra
 
 ``with plan.trace(device, model) as t: step()`` also keeps each op the cost model charged
 with the submodule of ``model`` it ran under (``t.ops``), and ``t.replay_layout(fsdp=N, ...)``
-/ ``t.replay_layout(tp=N, ...)`` / ``t.replay_layout(pp=N, ...)`` replays a single-device step
-under FSDP2, tensor or pipeline parallelism (``plan/replay*.py``; tests/plan/test_replay.py checks it against real runs).
+/ ``t.replay_layout(tp=N, ...)`` / ``t.replay_layout(pp=N, ...)`` / ``t.replay_layout(ep=N, ...)`` replays a single-device step
+under FSDP2, tensor, pipeline or expert parallelism (``plan/replay*.py``; tests/plan/test_replay.py checks it against real runs).
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ class StepTrace:
     def replay_layout(self, *, fsdp: int = 1, fsdp_units=None, replicate: int = 1,
                       mp_policy=None, tp: int = 1, tp_plan=None, dp: int = 1, pp: int = 1,
                       pp_stages=None, schedule: str = "gpipe", microbatches: int = 1,
-                      nodes: int = 1, profile=None, lnc: int | None = None):
+                      ep: int = 1, ep_experts=None, nodes: int = 1, profile=None, lnc: int | None = None):
         """One rank's modelled step (a ``plan.replay.Replay``) when the traced step runs under
         FSDP2 over ``fsdp`` ranks (``fully_shard`` on each module named in ``fsdp_units``,
         "" for the root), tensor parallelism over ``tp`` ranks (``tp_plan``: Linear module
@@ -81,18 +81,20 @@ class StepTrace:
         ``mp_policy`` is FSDP2's ``MixedPrecisionPolicy`` (param_dtype, reduce_dtype) with
         fsdp. ``pp`` is torch.distributed.pipelining with one stage per rank (``pp_stages``:
         the module names of each stage), ``schedule`` "gpipe" or "1f1b" over
-        ``microbatches``. fsdp and tp replay a single-device step traced with ``trace(device, module)``; dp a
+        ``microbatches``. ``ep`` is expert parallelism (``ep_experts``: the expert modules'
+        names, a list or a glob such as "experts.*"; the per-rank Replays in ``.stages``,
+        returned the slowest). fsdp and tp replay a single-device step traced with ``trace(device, module)``; dp a
         DDP step traced on one rank (its collectives re-priced, as ``replay``). Other
         combinations are refused; docs/plan.md says what is charged."""
         from .. import _state
         from .replay import Replay, replay_tp
         from .replay_fsdp import replay_fsdp
         for name, degree in (("fsdp", fsdp), ("replicate", replicate), ("tp", tp), ("dp", dp),
-                             ("pp", pp), ("microbatches", microbatches)):
+                             ("pp", pp), ("ep", ep), ("microbatches", microbatches)):
             if not isinstance(degree, int) or degree < 1:
                 raise ValueError(f"replay_layout: {name}={degree!r} must be a positive int")
         degrees = {k: v for k, v in (("fsdp", fsdp), ("replicate", replicate), ("tp", tp),
-                                     ("dp", dp), ("pp", pp)) if v > 1}
+                                     ("dp", dp), ("pp", pp), ("ep", ep)) if v > 1}
         if set(degrees) == {"replicate"}:
             raise ValueError(f"replay_layout: replicate={replicate} is HSDP's replica degree "
                              "and needs fsdp > 1 (the shard degree); for plain data "
@@ -100,7 +102,7 @@ class StepTrace:
         if len(degrees) > 1 and set(degrees) not in ({"fsdp", "replicate"}, {"fsdp", "tp"}):
             several = " with ".join(f"{k}={v}" for k, v in degrees.items())
             raise ValueError(f"replay_layout: {several} is not replayed yet; replayed: fsdp, "
-                             "tp, dp or pp alone, fsdp with replicate (HSDP), fsdp with tp")
+                             "tp, dp, pp or ep alone, fsdp with replicate (HSDP), fsdp with tp")
         if mp_policy is not None and fsdp == 1:
             raise ValueError("replay_layout: mp_policy is FSDP2's MixedPrecisionPolicy and "
                              "needs fsdp > 1")
@@ -122,6 +124,9 @@ class StepTrace:
         if not self.modules:
             raise ValueError("replay_layout: the step was traced without its module; trace "
                              "it with plan.trace(device, module)")
+        if ep > 1:
+            from .replay_ep import replay_ep
+            return replay_ep(self, ep, ep_experts, cfg, nodes)
         if pp > 1:
             from .replay_pp import replay_pp
             return replay_pp(self, pp, pp_stages, schedule, microbatches, cfg, nodes)
