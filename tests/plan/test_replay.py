@@ -470,3 +470,24 @@ def test_expert_parallel_replay_lists_experts_by_name_or_glob(traced_moe):
 def test_bad_expert_parallel_layouts_raise_clear_errors(traced_moe, kwargs, match):
     with pytest.raises(ValueError, match=match):
         traced_moe.replay_layout(**kwargs)
+
+
+def test_expert_parallel_refuses_what_it_cannot_attribute(traced_moe):
+    """A backward expert op whose dims match two experts' token counts cannot be given to
+    one expert; a block without the cat of its experts' outputs is not the replayed one."""
+    import copy
+    import dataclasses
+    counts = sorted({traced_moe.module_outputs[f"experts.{i}"][0][0][0] for i in range(4)})
+    ambiguous = copy.copy(traced_moe)
+    i = next(i for i, o in enumerate(traced_moe.ops)
+             if o.backward and (o.module or "").startswith("experts."))
+    op = traced_moe.ops[i]
+    ambiguous.ops = list(traced_moe.ops)
+    ambiguous.ops[i] = dataclasses.replace(
+        op, charge=dataclasses.replace(op.charge, shapes=((counts[0], counts[1]),)))
+    with pytest.raises(ValueError, match=r"cannot tell which expert's backward ran"):
+        ambiguous.replay_layout(ep=2, ep_experts="experts.*")
+    no_cat = copy.copy(traced_moe)
+    no_cat.ops = [o for o in traced_moe.ops if o.charge.name != "cat"]
+    with pytest.raises(ValueError, match=r"found no cat of the expert outputs"):
+        no_cat.replay_layout(ep=2, ep_experts="experts.*")
