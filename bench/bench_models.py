@@ -4,7 +4,7 @@ Per family: one fp32 training step, neuron eager / CPU eager, and with the forwa
 neuron ("neuron" backend) / CPU (Inductor); plus the modelled Trainium time of a neuron step
 and the engine that bounds it. Ratios are medians over pairs (CPU step, neuron step)
 measured back to back. Run: .venv/bin/python bench/bench_models.py [--pairs N] [--eager-only]
-[--family NAME ...] [--autograd-device-thread]
+[--family NAME ...] [--autograd-device-thread] [--modelled-only]
 
 ``--autograd-device-thread``: each pair also times the neuron step with backward on autograd's
 device thread (the behaviour before the device ran it on the calling thread), before or
@@ -64,13 +64,19 @@ def paired(fam, cpu_backend, dev_backend, pairs, warmup, baseline=False):
         ratios.append(d / c)
         tc.append(c)
         td.append(d)
+    seconds, bound = modelled_step(dev)
+    return (statistics.median(ratios), statistics.median(tc), statistics.median(td), seconds,
+            bound, statistics.median(base) if base else None)
+
+
+def modelled_step(dev):
+    """The modelled time of one more step on neuron, and the engine charged most."""
+    torch.accelerator.synchronize()
     torch_neuronx.reset_modelled_time()
     dev()
     torch.accelerator.synchronize()
     t = torch_neuronx.modelled_time()
-    bound = max(t.by_engine, key=t.by_engine.get) if t.by_engine else "-"
-    return (statistics.median(ratios), statistics.median(tc), statistics.median(td), t.seconds,
-            bound, statistics.median(base) if base else None)
+    return t.seconds, (max(t.by_engine, key=t.by_engine.get) if t.by_engine else "-")
 
 
 def main():
@@ -80,8 +86,26 @@ def main():
     ap.add_argument("--family", nargs="*", help="module names, e.g. image_dit")
     ap.add_argument("--autograd-device-thread", action="store_true",
                     help="also time backward on autograd's device thread (the baseline)")
+    ap.add_argument("--modelled-only", action="store_true",
+                    help="no host timing: the modelled time of a neuron step, eager and compiled "
+                         "(deterministic; NEURON_PLATFORM_TARGET_OVERRIDE picks the chip)")
     args = ap.parse_args()
     platform = torch_neuronx.modelled_time().platform
+    if args.modelled_only:
+        for module, attr in FAMILIES:
+            if args.family and module not in args.family:
+                continue
+            fam = getattr(importlib.import_module(module), attr)
+            row = []
+            for backend, warm in ((None, 2), ("neuron", 3)):
+                _, _, _, dev = _harness.trainer(fam, "neuron", compile_backend=backend)
+                for _ in range(warm):
+                    dev()
+                seconds, bound = modelled_step(dev)
+                row.append(f"{seconds * 1e3:.3f} ms ({bound})")
+            print(f"{fam.name:36s} modelled {platform} eager / compiled: {row[0]} / {row[1]}",
+                  flush=True)
+        return
     print(f"{'family':36s} {'mode':9s} {'cpu ms':>9s} {'neuron ms':>10s} {'ratio':>7s} "
           f"{'modelled ' + platform + ' ms':>18s}  bound   target")
     for module, attr in FAMILIES:

@@ -29,6 +29,8 @@ import logging
 import torch
 import torch.utils._pytree as pytree
 
+from ..kernels.dtypes import cpu_refuses
+
 log = logging.getLogger(__name__)
 
 _DEVICE = "neuron"
@@ -60,6 +62,11 @@ def check(gm: torch.fx.GraphModule, example_inputs) -> tuple[str | None, int]:
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             return f"attribute {node.target} (a tensor constant or a subgraph)", 0
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.args:
+            first = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+            if isinstance(first, torch.Tensor) and cpu_refuses(node.target._opname, first.dtype):
+                return (f"{node.target} of {first.dtype}: CPU has no such kernel and the device "
+                        f"computes CUDA's result", 0)
         for a in pytree.tree_leaves((node.args, node.kwargs)):
             if isinstance(a, torch.device) and a.type != _DEVICE:
                 return f"device argument {a} ({node.format_node()})", 0

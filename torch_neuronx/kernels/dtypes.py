@@ -156,6 +156,20 @@ def _nansum_complex(name, overload, args):
 _SPECIAL = {"histc": _histc_int, "abs": _abs_bool, "trace": _trace, "nansum": _nansum_complex}
 
 
+def cpu_refuses(base: str, dtype: torch.dtype) -> bool:
+    """Whether CPU's kernel of ``aten::base`` refuses a first argument of ``dtype`` where the
+    device computes CUDA's result (the compiler then keeps such a graph off the host path,
+    whose CPU meta functions refuse it too)."""
+    base = base.rstrip("_")
+    if base == "histc":
+        return dtype in _INTS
+    if base in ("abs", "trace"):
+        return dtype == torch.bool
+    if base == "nansum":
+        return dtype.is_complex
+    return base in _UPCAST and dtype == torch.complex32
+
+
 def _policy(name: str, overload: str, args: tuple):
     base = name.split("::", 1)[1]
     rule = _SPECIAL.get(base)
