@@ -3,9 +3,19 @@ Transformers' MoE routing calls it) compiles on neuron and equals eager neuron, 
 computes CUDA's result; the same op in a CPU dtype keeps the host path."""
 import logging
 
+import pytest
 import torch
 
 import torch_neuronx  # noqa: F401
+
+
+@pytest.fixture(autouse=True)
+def _no_compile_caches():
+    # The log says which path compiled the graph; a cache hit would compile nothing.
+    import torch._functorch.config as aot_config
+    import torch._inductor.config as inductor_config
+    with inductor_config.patch(fx_graph_cache=False), aot_config.patch(enable_autograd_cache=False):
+        yield
 
 
 def _route(x):
