@@ -1,10 +1,15 @@
-"""Model families (examples/models) on neuron against the CPU, same process, paired runs.
+"""Model families (examples/models) on neuron against the CPU, paired runs.
 
 Per family: one fp32 training step, neuron eager / CPU eager, and with the forward compiled,
 neuron ("neuron" backend) / CPU (Inductor); plus the modelled Trainium time of a neuron step
-and the engine that bounds it. Ratios are medians over pairs (CPU step, neuron step)
-measured back to back. Run: .venv/bin/python bench/bench_models.py [--pairs N] [--eager-only]
-[--family NAME ...] [--autograd-device-thread] [--modelled-only]
+and the engine that bounds it. By default each pair is two fresh processes (CPU, neuron; the
+order alternates), each timing ``--steps`` warmed-up steps and reporting their median; ratios
+are medians over pairs. ``--same-process`` times single steps back to back in this process
+instead: there the CPU steps run beside the device's executor thread, whose OpenMP team turns
+libgomp's spinning down for the whole process on a 2-core host (docs/device.md), so that
+scheme slows the CPU peer and flatters neuron. Run: .venv/bin/python bench/bench_models.py
+[--pairs N] [--steps S] [--eager-only] [--family NAME ...] [--same-process
+[--autograd-device-thread]] [--modelled-only]
 
 ``--autograd-device-thread``: each pair also times the neuron step with backward on autograd's
 device thread (the behaviour before the device ran it on the calling thread), before or
@@ -16,6 +21,7 @@ import argparse
 import importlib
 import pathlib
 import statistics
+import subprocess
 import sys
 import time
 
@@ -69,6 +75,43 @@ def paired(fam, cpu_backend, dev_backend, pairs, warmup, baseline=False):
             bound, statistics.median(base) if base else None)
 
 
+def _one(module, attr, device, backend, steps, warmup):
+    """In a fresh process: the median of ``steps`` timed steps after ``warmup`` untimed ones."""
+    fam = getattr(importlib.import_module(module), attr)
+    _, _, _, step = _harness.trainer(fam, device, compile_backend=backend)
+    for _ in range(warmup):
+        step()
+    return statistics.median(_timed(step, device) for _ in range(steps))
+
+
+def _isolated(module, attr, device, backend, steps, warmup):
+    out = subprocess.run([sys.executable, __file__, "--one", module, attr, device,
+                          backend or "none", str(steps), str(warmup)],
+                         check=True, capture_output=True, text=True).stdout
+    return float(out.strip().splitlines()[-1])
+
+
+def paired_isolated(module, attr, cpu_backend, dev_backend, pairs, warmup, steps):
+    ratios, tc, td = [], [], []
+    for i in range(pairs):
+        run_c = lambda: _isolated(module, attr, "cpu", cpu_backend, steps, warmup)  # noqa: E731
+        run_d = lambda: _isolated(module, attr, "neuron", dev_backend, steps, warmup)  # noqa: E731
+        if i % 2 == 0:
+            c, d = run_c(), run_d()
+        else:
+            d, c = run_d(), run_c()
+        ratios.append(d / c)
+        tc.append(c)
+        td.append(d)
+    fam = getattr(importlib.import_module(module), attr)
+    _, _, _, dev = _harness.trainer(fam, "neuron", compile_backend=dev_backend)
+    for _ in range(warmup):
+        dev()
+    seconds, bound = modelled_step(dev)
+    return (statistics.median(ratios), statistics.median(tc), statistics.median(td), seconds,
+            bound, None)
+
+
 def modelled_step(dev):
     """The modelled time of one more step on neuron, and the engine charged most."""
     torch.accelerator.synchronize()
@@ -82,6 +125,10 @@ def modelled_step(dev):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--pairs", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=9, help="timed steps per process (fresh-process pairs)")
+    ap.add_argument("--same-process", action="store_true",
+                    help="single steps back to back in this process (flatters neuron: see above)")
+    ap.add_argument("--one", nargs=6, help=argparse.SUPPRESS)
     ap.add_argument("--eager-only", action="store_true")
     ap.add_argument("--family", nargs="*", help="module names, e.g. image_dit")
     ap.add_argument("--autograd-device-thread", action="store_true",
@@ -90,6 +137,13 @@ def main():
                     help="no host timing: the modelled time of a neuron step, eager and compiled "
                          "(deterministic; NEURON_PLATFORM_TARGET_OVERRIDE picks the chip)")
     args = ap.parse_args()
+    if args.one:
+        module, attr, device, backend, steps, warmup = args.one
+        print(_one(module, attr, device, None if backend == "none" else backend, int(steps),
+                   int(warmup)))
+        return
+    if args.autograd_device_thread and not args.same_process:
+        ap.error("--autograd-device-thread needs --same-process")
     platform = torch_neuronx.modelled_time().platform
     if args.modelled_only:
         for module, attr in FAMILIES:
@@ -117,8 +171,12 @@ def main():
             modes.append(("compiled", "inductor", "neuron", 3))
         for label, cpu_b, dev_b, warm in modes:
             try:
-                r, c, d, m, bound, base = paired(fam, cpu_b, dev_b, args.pairs, warm,
-                                                 args.autograd_device_thread)
+                if args.same_process:
+                    r, c, d, m, bound, base = paired(fam, cpu_b, dev_b, args.pairs, warm,
+                                                     args.autograd_device_thread)
+                else:
+                    r, c, d, m, bound, base = paired_isolated(module, attr, cpu_b, dev_b,
+                                                              args.pairs, warm, args.steps)
             except Exception as e:  # report and go on: one family must not hide the others
                 print(f"{fam.name:36s} {label:9s} failed: {type(e).__name__}: {str(e)[:120]}")
                 continue
