@@ -2,13 +2,11 @@
 
 The tiny Llama of examples/tiny_llama.py (hidden 64, 2 layers, batch 4 x 32 tokens) trained
 by ``transformers.Trainer``: neuron picked by Trainer itself, the peer with ``use_cpu=True``.
-Each pair runs CPU and neuron in two fresh processes, one after the other (the order alternates
-between pairs); a run's step time is the median of its step-to-step intervals after a warm-up
-run in the same process (Trainer's setup excluded). Separate processes because in one process
-the peer is not measured fairly: once the device's executor thread has run a parallel kernel,
-the process holds two OpenMP teams on this 2-core host and libgomp switches every team to its
-short, throttled spin, which made the CPU Trainer steps that followed 2.4x slower (7.1 ms before
-any neuron work, 17 ms after; `--same-process` keeps the old scheme to show it). Reports the median ratio over the
+Each pair runs CPU and neuron in two fresh processes, the order alternating between pairs
+(``_fresh_pairs``: in one process the CPU steps that followed neuron work ran 2.4x slower,
+7.1 ms before any neuron work and 17 ms after; ``--same-process`` keeps that scheme to show
+it); a run's step time is the median of its step-to-step intervals after a warm-up run in the
+same process (Trainer's setup excluded). Reports the median ratio over the
 pairs for eager and ``torch_compile=True`` (backend "neuron" against CPU eager and against
 Inductor on CPU), and the modelled Trainium time of one step.
 
@@ -18,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import tiny_llama  # noqa: E402
+
+import _fresh_pairs  # noqa: E402  (bench/, this script's directory)
 
 
 def run(tok, steps: int, cpu: bool, compile: bool) -> float:
@@ -56,29 +55,23 @@ def run(tok, steps: int, cpu: bool, compile: bool) -> float:
     return statistics.median(b - a for a, b in zip(ends[1:], ends[2:]))
 
 
-def _isolated(steps: int, cpu: bool, compile: bool) -> float:
+def _fresh(steps: int, cpu: bool, compile: bool) -> float:
     """One warmed-up run in a fresh process; its median step in seconds."""
-    out = subprocess.run([sys.executable, __file__, "--one", "cpu" if cpu else "neuron",
-                          "--steps", str(steps)] + (["--compile"] if compile else []),
-                         check=True, capture_output=True, text=True).stdout
-    return float(out.strip().splitlines()[-1])
+    return _fresh_pairs.seconds_in_fresh_process(
+        __file__, ["--one", "cpu" if cpu else "neuron", "--steps", str(steps)]
+        + (["--compile"] if compile else []))
 
 
 def paired(tok, pairs: int, steps: int, dev_compile: bool, cpu_compile: bool,
            same_process: bool = False):
+    if not same_process:
+        return _fresh_pairs.alternating(lambda: _fresh(steps, True, cpu_compile),
+                                        lambda: _fresh(steps, False, dev_compile), pairs)
+    run(tok, 4, True, cpu_compile), run(tok, 4, False, dev_compile)   # warm-up (and compile)
     ratios, tc, td = [], [], []
-    if same_process:
-        run(tok, 4, True, cpu_compile), run(tok, 4, False, dev_compile)   # warm-up (and compile)
-    for i in range(pairs):
-        if same_process:
-            c = run(tok, steps, True, cpu_compile)
-            d = run(tok, steps, False, dev_compile)
-        elif i % 2 == 0:
-            c = _isolated(steps, True, cpu_compile)
-            d = _isolated(steps, False, dev_compile)
-        else:
-            d = _isolated(steps, False, dev_compile)
-            c = _isolated(steps, True, cpu_compile)
+    for _ in range(pairs):
+        c = run(tok, steps, True, cpu_compile)
+        d = run(tok, steps, False, dev_compile)
         ratios.append(d / c)
         tc.append(c)
         td.append(d)

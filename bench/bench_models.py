@@ -2,12 +2,10 @@
 
 Per family: one fp32 training step, neuron eager / CPU eager, and with the forward compiled,
 neuron ("neuron" backend) / CPU (Inductor); plus the modelled Trainium time of a neuron step
-and the engine that bounds it. By default each pair is two fresh processes (CPU, neuron; the
-order alternates), each timing ``--steps`` warmed-up steps and reporting their median; ratios
-are medians over pairs. ``--same-process`` times single steps back to back in this process
-instead: there the CPU steps run beside the device's executor thread, whose OpenMP team turns
-libgomp's spinning down for the whole process on a 2-core host (docs/device.md), so that
-scheme slows the CPU peer and flatters neuron. Run: .venv/bin/python bench/bench_models.py
+and the engine that bounds it. By default each pair is two fresh processes (``_fresh_pairs``:
+CPU and neuron, the order alternating), each timing ``--steps`` warmed-up steps and reporting
+their median; ratios are medians over pairs. ``--same-process`` times single steps back to
+back in this process instead, which slows the CPU peer and so flatters neuron. Run: .venv/bin/python bench/bench_models.py
 [--pairs N] [--steps S] [--eager-only] [--family NAME ...] [--same-process
 [--autograd-device-thread]] [--modelled-only]
 
@@ -21,7 +19,6 @@ import argparse
 import importlib
 import pathlib
 import statistics
-import subprocess
 import sys
 import time
 
@@ -37,6 +34,7 @@ torch._dynamo.config.accumulated_recompile_limit = 4096
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "models"))
 _harness = importlib.import_module("_harness")
+import _fresh_pairs  # noqa: E402  (bench/, this script's directory)
 
 FAMILIES = [("text_llama", "FAMILY"), ("vlm_llava", "FAMILY"), ("image_dit", "FAMILY"),
             ("video_wan", "FAMILY"), ("ssm_mamba", "FAMILY"), ("world_rssm", "FAMILY"),
@@ -84,32 +82,18 @@ def _one(module, attr, device, backend, steps, warmup):
     return statistics.median(_timed(step, device) for _ in range(steps))
 
 
-def _isolated(module, attr, device, backend, steps, warmup):
-    out = subprocess.run([sys.executable, __file__, "--one", module, attr, device,
-                          backend or "none", str(steps), str(warmup)],
-                         check=True, capture_output=True, text=True).stdout
-    return float(out.strip().splitlines()[-1])
-
-
-def paired_isolated(module, attr, cpu_backend, dev_backend, pairs, warmup, steps):
-    ratios, tc, td = [], [], []
-    for i in range(pairs):
-        run_c = lambda: _isolated(module, attr, "cpu", cpu_backend, steps, warmup)  # noqa: E731
-        run_d = lambda: _isolated(module, attr, "neuron", dev_backend, steps, warmup)  # noqa: E731
-        if i % 2 == 0:
-            c, d = run_c(), run_d()
-        else:
-            d, c = run_d(), run_c()
-        ratios.append(d / c)
-        tc.append(c)
-        td.append(d)
+def paired_fresh(module, attr, cpu_backend, dev_backend, pairs, warmup, steps):
+    def run(device, backend):
+        return _fresh_pairs.seconds_in_fresh_process(
+            __file__, ["--one", module, attr, device, backend or "none", str(steps), str(warmup)])
+    r, c, d, _ = _fresh_pairs.alternating(lambda: run("cpu", cpu_backend),
+                                          lambda: run("neuron", dev_backend), pairs)
     fam = getattr(importlib.import_module(module), attr)
     _, _, _, dev = _harness.trainer(fam, "neuron", compile_backend=dev_backend)
     for _ in range(warmup):
         dev()
     seconds, bound = modelled_step(dev)
-    return (statistics.median(ratios), statistics.median(tc), statistics.median(td), seconds,
-            bound, None)
+    return r, c, d, seconds, bound, None
 
 
 def modelled_step(dev):
@@ -175,8 +159,8 @@ def main():
                     r, c, d, m, bound, base = paired(fam, cpu_b, dev_b, args.pairs, warm,
                                                      args.autograd_device_thread)
                 else:
-                    r, c, d, m, bound, base = paired_isolated(module, attr, cpu_b, dev_b,
-                                                              args.pairs, warm, args.steps)
+                    r, c, d, m, bound, base = paired_fresh(module, attr, cpu_b, dev_b,
+                                                           args.pairs, warm, args.steps)
             except Exception as e:  # report and go on: one family must not hide the others
                 print(f"{fam.name:36s} {label:9s} failed: {type(e).__name__}: {str(e)[:120]}")
                 continue
