@@ -75,6 +75,22 @@ def test_explore_bad_dir_names_it(tmp_path):
         report(str(tmp_path))
 
 
+def test_explore_takes_the_output_dir_and_counts_nested_host_time_once(tmp_path, capsys):
+    import pyarrow.parquet as pq
+    _capture_traced(tmp_path, _matmul_then_chain, sessions=2)  # trace_0, trace_1
+    r = report(str(tmp_path))  # the profile_output_dir: its newest trace
+    assert r["trace"] == os.path.join(str(tmp_path), "trace_1")
+    ev = pq.read_table(os.path.join(r["trace"], "SystemProfileEvents.parquet")).to_pandas()
+    host = ev[ev.source == "framework"]
+    span = int((host.start_ns + host.duration_ns).max() - host.start_ns.min())
+    mine = [x for x in r["top_source_lines_host_ns"]
+            if os.path.basename(x["file"]) == os.path.basename(__file__)]
+    # the line's Python call, its ops and their sub-ops nest: wall time, not their sum
+    assert mine and all(0 < x["host_ns"] <= span for x in mine)
+    assert cli.main(["explore", str(tmp_path)]) == 0
+    assert "trace_1" in capsys.readouterr().out.splitlines()[0]
+
+
 def test_report_names_fused_kernel_once_the_chain_is_learned(tmp_path):
     for _ in range(2):  # the first run teaches Adaptive Eager the chain
         path = _capture(tmp_path, _big_chain)
@@ -82,16 +98,17 @@ def test_report_names_fused_kernel_once_the_chain_is_learned(tmp_path):
     assert "fused_pointwise" in names and "exp" not in names
 
 
-def _capture_traced(tmp_path, fn):
+def _capture_traced(tmp_path, fn, sessions=1):
     cfg = NeuronConfig(profile_output_dir=str(tmp_path))
     handler = NeuronProfiler(cfg)
     try:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.PrivateUse1],
-                                    with_stack=True, experimental_config=cfg,
-                                    on_trace_ready=handler.export_trace):
-            fn()
-            torch.neuron.synchronize()
+        for _ in range(sessions):  # one handler: trace_0, trace_1, ...
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.PrivateUse1],
+                                        with_stack=True, experimental_config=cfg,
+                                        on_trace_ready=handler.export_trace):
+                fn()
+                torch.neuron.synchronize()
     finally:
         handler.close()
     return os.path.join(str(tmp_path), "trace_0")

@@ -14,11 +14,22 @@ from ._comm import communication
 from ._fusion import fusion_opportunities
 
 
+def _trace_dir(path: str) -> str:
+    """``path`` itself, or for a ``profile_output_dir`` its newest ``trace_<n>``."""
+    if os.path.exists(os.path.join(path, "SystemProfileEvents.parquet")):
+        return path
+    traces = [d for d in os.listdir(path) if d.startswith("trace_") and d[6:].isdigit()
+              and os.path.exists(os.path.join(path, d, "SystemProfileEvents.parquet"))] \
+        if os.path.isdir(path) else []
+    if not traces:
+        raise FileNotFoundError(f"explore: {path!r} has no SystemProfileEvents.parquet and no "
+                                f"trace_<n>/ holding one (pass the directory NeuronProfiler wrote)")
+    return os.path.join(path, max(traces, key=lambda d: int(d[6:])))
+
+
 def report(path: str, top: int = 10) -> dict:
+    path = _trace_dir(path)
     events_file = os.path.join(path, "SystemProfileEvents.parquet")
-    if not os.path.exists(events_file):
-        raise FileNotFoundError(f"explore: {path!r} has no SystemProfileEvents.parquet "
-                                f"(pass the directory NeuronProfiler.export_trace wrote)")
     ev = pq.read_table(events_file).to_pandas()
     hw = ev[ev.source == "hardware"]
     from ..cost_model import kernel_latency_ns
@@ -37,8 +48,7 @@ def report(path: str, top: int = 10) -> dict:
     launch_total = int(hw.launches.sum() * launch_ns)
     engines = hw.groupby("engine").modelled_ns.sum()
     host = ev[ev.source == "framework"]
-    lines = host[host.source_line >= 0].groupby(["source_file", "source_line"]).duration_ns.sum()
-    lines = lines.sort_values(ascending=False).head(top)
+    lines = _host_line_time(host[host.source_line >= 0]).sort_values(ascending=False).head(top)
     # Correlated kernels (the Kineto plugin's) name the line that launched them.
     dev_lines = hw[hw.source_line >= 0].groupby(["source_file", "source_line"]).modelled_ns.sum()
     dev_lines = dev_lines.sort_values(ascending=False).head(top)
@@ -46,6 +56,7 @@ def report(path: str, top: int = 10) -> dict:
     traced_bytes = bool(hw.hbm_bytes.sum() > 0)
     return {
         "roofline": traced_bytes,
+        "trace": path,
         "modelled_ns": total,
         "hardware_events": int(hw.shape[0]),
         "launch_overhead_share": (launch_total / total) if total else 0.0,
@@ -132,6 +143,17 @@ def _bound(r, launch_ns: float, profile) -> str:
     return "memory" if hbm_ns >= 0.99 * work_ns else "compute"
 
 
+def _host_line_time(host):
+    """Wall time per source line: the union of its events' intervals, since the events a line
+    launched nest (the Python call, its ops, their sub-ops) and a sum would count each level."""
+    import pandas as pd
+    out = {}
+    for key, g in host.groupby(["source_file", "source_line"]):
+        s, e = _union(g.start_ns.to_numpy(), (g.start_ns + g.duration_ns).to_numpy())
+        out[key] = int((e - s).sum())
+    return pd.Series(out, dtype="int64")
+
+
 def _union(starts, ends) -> tuple:
     """Merged intervals of [starts, ends): (merged starts, merged ends)."""
     if len(starts) == 0:
@@ -184,13 +206,15 @@ def _timeline_analysis(traced, host, top: int) -> dict:
 
 
 def format_text(r: dict) -> str:
-    out = [f"modelled device time {r['modelled_ns'] / 1e6:.3f} ms over {r['hardware_events']} kernels; "
+    out = [f"trace {r['trace']}",
+           f"modelled device time {r['modelled_ns'] / 1e6:.3f} ms over {r['hardware_events']} kernels; "
            f"launch overhead {100 * r['launch_overhead_share']:.0f}% of it"]
     if r["launch_overhead_share"] > 0.5:
         out.append("bottleneck: launch-bound (many tiny kernels; fuse them or batch the work)")
     out.append("top kernels by modelled time:")
+    width = max([24] + [len(k["name"]) + 1 for k in r["top_kernels"]])
     for k in r["top_kernels"]:
-        out.append(f"  {k['name']:<24}{k['modelled_ns'] / 1e3:>12.1f} us {k['launches']:>7} launches  "
+        out.append(f"  {k['name']:<{width}}{k['modelled_ns'] / 1e3:>12.1f} us {k['launches']:>7} launches  "
                    f"{k['bound']}-bound")
     out.append("engines: " + ", ".join(f"{e} {ns / 1e3:.1f} us" for e, ns in r["engines"].items()))
     if r["top_source_lines_modelled_ns"]:
@@ -323,13 +347,15 @@ def main(argv=None) -> int:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("dir", help="Parquet directory written by NeuronProfiler.export_trace")
+    parser.add_argument("dir", help="Parquet directory written by NeuronProfiler.export_trace, "
+                                    "or its profile_output_dir (then the newest trace_<n>)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON (for agents)")
     parser.add_argument("--plots", default=None, help="write PNG plots into this directory")
     parser.add_argument("--top", type=int, default=10)
 
 
 def run(args) -> int:
+    args.dir = _trace_dir(args.dir)
     r = report(args.dir, top=args.top)
     if args.plots:
         r["plots"] = plots(args.dir, r, args.plots)
