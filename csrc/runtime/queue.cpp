@@ -61,7 +61,13 @@ constexpr size_t kMaxQueued = 4096;
 // Work touching this much memory runs long enough (~100 us) that a host waiting for it sleeps.
 constexpr int64_t kBigBytes = int64_t(2) << 20;
 constexpr int64_t kHostSpinMicros = 2000;  // at most, while small work runs
-constexpr int64_t kIdleSpinMicros = 30;    // the executor, for the next launch
+// The executor, for the next launch. Eager programs of small kernels launch every 10-20 us
+// with gaps of Python between bursts: an executor that slept after 30 us paid a futex wake-up
+// (and the host a syscall) on about every other launch, and the host's time went to the
+// scheduler (fresh-process steps, 30 us -> 1 ms: Mamba 17.1 -> 9.8-13.6 ms, the RSSM 13.4-14.5
+// -> 10.1-10.7, DiT 8.7-9.0 -> 7.0-7.6; bench/RESULTS.md). Longer (3 ms) slowed steps
+// whose host runs parallel kernels itself (the RSSM's multinomial), the spin taking their core.
+constexpr int64_t kIdleSpinMicros = 1000;
 
 // Spins (yielding) until `ready` or for `micros`.
 template <class F>
