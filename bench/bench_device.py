@@ -1,18 +1,26 @@
-"""Eager neuron device against plain CPU PyTorch, measured in the same process.
+"""Eager neuron device against plain CPU PyTorch.
 
 Each measurement alternates CPU and neuron runs (paired) and reports the median ratio, so
-machine noise hits both sides alike. Run: .venv/bin/python bench/bench_device.py [--quick]
+machine noise hits both sides alike. The GPT training steps run each side in a fresh process
+(``_fresh_pairs``: in a shared one the device's OpenMP team slows the CPU steps after it);
+``--same-process`` times them back to back in this process, as the other rows are.
+Run: .venv/bin/python bench/bench_device.py [--quick] [--same-process]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
 
 import torch_neuronx
 from torch_neuronx.demo.gpt import GPT, GPTConfig
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _fresh_pairs  # noqa: E402  (bench/, this script's directory)
 
 
 def _time(fn, reps):
@@ -55,19 +63,43 @@ def gpt_step(device, autocast, hidden=256, layers=4, batch=16, block=128):
     return step
 
 
+def _one_gpt(device, autocast, reps):
+    """In a fresh process: the median of 3 timings of ``reps`` steps after 2 warm-up steps."""
+    step = gpt_step(device, autocast)
+    step(), step()
+    return statistics.median(_time(step, reps) for _ in range(3))
+
+
+def gpt_fresh(autocast, pairs, reps):
+    def run(device):
+        return _fresh_pairs.seconds_in_fresh_process(
+            os.path.abspath(__file__), ["--one", device, "bf16" if autocast else "fp32", str(reps)])
+    r, c, d, _ = _fresh_pairs.alternating(lambda: run("cpu"), lambda: run("neuron"), pairs)
+    return r, c, d
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--memory-only", action="store_true")
+    ap.add_argument("--same-process", action="store_true",
+                    help="GPT steps of both devices in this process (flatters neuron)")
+    ap.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.one:
+        device, autocast, reps = args.one
+        return print(_one_gpt(device, autocast == "bf16", int(reps)))
     if args.memory_only:
         return memory(args)
     pairs = 3 if args.quick else 7
     rows = []
 
     for autocast in (False, True):
-        r, c, d = paired(lambda: gpt_step("cpu", autocast), lambda: gpt_step("neuron", autocast),
-                         pairs, 3)
+        if args.same_process:
+            r, c, d = paired(lambda: gpt_step("cpu", autocast),
+                             lambda: gpt_step("neuron", autocast), pairs, 3)
+        else:
+            r, c, d = gpt_fresh(autocast, pairs, 3)
         rows.append((f"GPT train step (h256, 4 layers, {'bf16 autocast' if autocast else 'fp32'})",
                      c, d, r, "<= 1.05"))
 
