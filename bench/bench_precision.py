@@ -13,13 +13,18 @@ per-pair ratio, so machine noise hits both alike:
 * a TorchAO float8 training step (tensorwise, rowwise) against the bf16 step, host time and
   modelled trn2 time, eager and compiled (``bench_torchao``); with ``--large`` also at
   a larger shape (Linear 1024->4096->1024, 2048 tokens: the bf16 step's matmuls are 57% of
-  its modelled time), to see how the casts' HBM traffic and the FP8 matmul saving scale.
+  its modelled time), to see how the casts' HBM traffic and the FP8 matmul saving scale;
+  with ``--matmul-bound`` at shapes where the FP8 saving outgrows the casts (contraction dims
+  of several thousand). There the bf16 step, which takes hours on a host without BF16
+  instructions, runs in fp32 under ``torch_neuronx.price_as(torch.bfloat16)``: charged as
+  the bf16 step (tests/device/test_price_as.py), its host time fp32's.
 
-Run: .venv/bin/python bench/bench_precision.py [--quick] [--large]
+Run: .venv/bin/python bench/bench_precision.py [--quick] [--large] [--matmul-bound]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 import warnings
@@ -34,6 +39,9 @@ import torch_neuronx
 from torch_neuronx import cost_model
 
 DEV = "neuron"
+# Linear d->ffn->d over tokens, matmul-bound: each dim large enough for FP8's TensorE saving
+# to outgrow the casts' traffic (bench/RESULTS.md, "Low precision")
+MATMUL_BOUND = ((4096, 16384, 4096),)
 
 
 def _time(fn, reps):
@@ -147,33 +155,39 @@ def modelled(size):
               f"{fp8 / bf16:>10.3f}{mx / bf16:>10.3f}")
 
 
-def bench_torchao(pairs, d, ffn, tokens):
+def bench_torchao(pairs, d, ffn, tokens, priced=False):
     """TorchAO float8 training (tensorwise, rowwise) against the bf16 step, all on neuron:
     host time and the modelled trn2 time of one step, eager and compiled, with the matmuls'
     share (mm or _scaled_mm) apart from the casts around them. ``pairs`` > 0: host time is the
     median of interleaved warm runs; 0 (the larger shape, where one bf16 step takes
     minutes on a host without BF16 instructions): one run per recipe and mode, the eager one
-    without warm-up (modelled time does not depend on it)."""
+    without warm-up (modelled time does not depend on it). ``priced``: the bf16 step runs
+    in fp32 priced as bf16 (``price_as``), and no step upcasts its output for the loss
+    (an explicit upcast cannot be told from an fp32 run)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     recipes = (None, "tensorwise", "rowwise")
 
     def make(recipe, compiled=False):
         torch.manual_seed(0)
+        dtype = torch.float32 if priced and recipe is None else torch.bfloat16
         model = torch.nn.Sequential(torch.nn.Linear(d, ffn, bias=False), torch.nn.GELU(),
                                     torch.nn.Linear(ffn, d, bias=False))
-        model = model.to(device=DEV, dtype=torch.bfloat16)
+        model = model.to(device=DEV, dtype=dtype)
         if recipe is not None:
             convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe))
         run = torch.compile(model, backend="neuron") if compiled else model
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        x = torch.randn(tokens, d, dtype=torch.bfloat16).to(DEV)
+        x = torch.randn(tokens, d, dtype=dtype).to(DEV)
 
         def step():
-            run(x).float().square().mean().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            torch.neuron.synchronize()
+            with (torch_neuronx.price_as(torch.bfloat16) if dtype == torch.float32
+                  else contextlib.nullcontext()):
+                out = run(x) if priced else run(x).float()
+                out.square().mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                torch.neuron.synchronize()
         if compiled or pairs:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # torchao's float64 scales: neuron warns once
@@ -210,7 +224,8 @@ def bench_torchao(pairs, d, ffn, tokens):
 
     print(f"\nTorchAO float8 training step vs the bf16 step on neuron (Linear {d}->{ffn}, GELU, "
           f"Linear {ffn}->{d}; {tokens} tokens; SGD); host: {how}; "
-          "trn2: modelled step (its matmuls alone in brackets)")
+          "trn2: modelled step (its matmuls alone in brackets)"
+          + ("; bf16: run in fp32, priced as bf16 (host time fp32's)" if priced else ""))
     print(f"{'recipe':<12}{'host':>11}{'/bf16':>7}{'trn2 eager':>22}{'/bf16':>7}"
           f"{'trn2 compiled':>22}{'/bf16':>7}")
     for r in recipes:
@@ -226,6 +241,9 @@ def main():
     ap.add_argument("--large", action="store_true",
                     help="also the float8 step at a larger shape (bf16 steps take minutes on a "
                          "host without BF16 instructions)")
+    ap.add_argument("--matmul-bound", action="store_true",
+                    help="also the float8 step at matmul-bound shapes, the bf16 step priced "
+                         "from an fp32 run (the float8 steps take minutes of host time)")
     args = ap.parse_args()
     pairs = 3 if args.quick else 7
     size = 1024
@@ -238,6 +256,9 @@ def main():
     bench_torchao(min(pairs, 3), *((256, 1024, 512) if args.quick else (512, 2048, 1024)))
     if args.large:
         bench_torchao(0, 1024, 4096, 2048)
+    if args.matmul_bound:
+        for d, ffn, tokens in MATMUL_BOUND:
+            bench_torchao(0, d, ffn, tokens, priced=True)
     torch_neuronx.modelled_time(reset=True)
 
 

@@ -85,7 +85,7 @@ _register()
 from .neuron.memory import (empty_cache, max_memory_allocated, max_memory_reserved,  # noqa: E402
                             memory_allocated, memory_reserved, memory_stats, memory_summary,
                             reset_peak_memory_stats)
-from .cost_model import modelled_time, reset_modelled_time  # noqa: E402
+from .cost_model import modelled_time, price_as, reset_modelled_time  # noqa: E402
 from .runtime.stream_check import _from_environment as _stream_check_from_env  # noqa: E402
 from .runtime.stream_check import stream_check  # noqa: E402
 from .runtime import sharing as _sharing  # noqa: E402,F401  (neuron tensors through torch.multiprocessing)
@@ -127,7 +127,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'torch_neuronx' has no attribute {name!r}")
 
 
-__all__ = ["modelled_time", "reset_modelled_time", "stream_check", "set_launch_blocking",
+__all__ = ["modelled_time", "reset_modelled_time", "price_as", "stream_check", "set_launch_blocking",
            "is_launch_blocking", "queue_stats", "adaptive_eager_stats", "set_adaptive_eager",
            "is_adaptive_eager_enabled", "memory_allocated", "max_memory_allocated",
            "memory_reserved", "max_memory_reserved", "reset_peak_memory_stats", "memory_stats",

@@ -19,6 +19,7 @@ Execution never reads this module: it is accounting, computed when asked.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import warnings
@@ -281,6 +282,73 @@ def op_seconds(p, lnc, op, shapes, dtype, bytes_in, bytes_out, count=1, flags=0)
     return seconds, engine, flops
 
 
+def recast_bytes(shapes, count: int, bytes_in: int, bytes_out: int, orig: torch.dtype,
+                 new: torch.dtype) -> tuple:
+    """(bytes_in, bytes_out) of ``count`` launches of an op recorded in ``orig`` as they would
+    be with its floating-point tensors in ``new``. The record keeps one dtype and at most
+    three input shapes, so int64 inputs (indices, targets) are told by the bytes they add and
+    kept; when no single split explains the bytes, all are scaled."""
+    scale = new.itemsize / orig.itemsize
+    out = round(bytes_out * scale)
+    numels = [math.prod(s) for s in shapes or ()]
+    total = sum(numels)
+    if not count or not total:
+        return round(bytes_in * scale), out
+    per_launch = bytes_in / count
+    if per_launch == total * orig.itemsize:
+        return count * total * new.itemsize, out
+    found = set()
+    for mask in range(1, 1 << len(numels)):
+        ints = sum(x for i, x in enumerate(numels) if mask >> i & 1)
+        if (total - ints) * orig.itemsize + ints * 8 == per_launch:
+            found.add(count * ((total - ints) * new.itemsize + ints * 8))
+    return (found.pop() if len(found) == 1 else round(bytes_in * scale)), out
+
+
+# ``price_as``: (traced dtype, priced dtype) while a what-if prices one dtype as another.
+_price_as: tuple | None = None
+
+
+@contextlib.contextmanager
+def price_as(dtype: torch.dtype, source: torch.dtype = torch.float32):
+    """Charge the work executed inside the block as if its ``source`` tensors were
+    ``dtype``: eager ops, fused kernels and copies recorded in ``source`` have their
+    floating-point bytes scaled by the itemsizes (``recast_bytes``) and TensorE ops the
+    rate of ``dtype``; compiled graphs' buffers and library calls in ``source`` likewise.
+    For a host that runs ``dtype`` slowly (a BF16 matmul without BF16 instructions): run
+    the step in fp32, read the bf16 step's modelled time. Scaled matmuls' tensors in
+    ``source`` (their results, bias, and fp32 scales alike) are priced as ``dtype``;
+    collectives and NKI kernels are charged as executed. Execution is unchanged."""
+    global _price_as
+    for d in (dtype, source):
+        if not d.is_floating_point:
+            raise TypeError(f"price_as: {d} is not a floating-point dtype")
+    _settle()
+    previous, _price_as = _price_as, (source, dtype)
+    try:
+        yield
+    finally:
+        _settle()
+        _price_as = previous
+
+
+def priced_nbytes(t: torch.Tensor) -> int:
+    """Bytes of ``t`` as the cost model prices them (``price_as`` in force or not), for work
+    charged from its tensors rather than from the runtime's records."""
+    if _price_as is not None and t.dtype == _price_as[0]:
+        return t.numel() * _price_as[1].itemsize
+    return t.nbytes
+
+
+def _settle() -> None:
+    """Account every launch so far: Adaptive Eager windows are flushed and their records
+    drained under the pricing in force when they ran."""
+    from .neuron import device_count, synchronize
+    for i in range(device_count()):
+        synchronize(i)
+    _drain()
+
+
 def copy_seconds(p, lnc, op: str, nbytes: int, count: int = 1) -> float:
     """Seconds of ``count`` DMA copies (``copy_d2d`` within HBM, ``copy_h2d``/``copy_d2h``
     over the host link) moving ``nbytes`` in all."""
@@ -289,14 +357,24 @@ def copy_seconds(p, lnc, op: str, nbytes: int, count: int = 1) -> float:
 
 
 def _account(record) -> tuple:
-    """Accounts one record's busy time and returns (seconds, engine, flops, hbm_bytes); the
-    timeline is the caller's."""
+    """Accounts one record's busy time and returns (seconds, engine, flops, hbm_bytes,
+    (dtype, bytes_in, bytes_out) as priced); the timeline is the caller's."""
     name, device, dtype_code, sig, count, bytes_in, bytes_out = record[:7]
     cfg = _state.config()
     p, lnc = cfg.profile, cfg.lnc
     t = _total(device)
     op = name.split("::", 1)[-1]
     dtype = _dtype_from_code(dtype_code)
+    if _price_as is not None and dtype == _price_as[0]:
+        if op.startswith("copy_"):
+            bytes_out = round(bytes_out * _price_as[1].itemsize / dtype.itemsize)
+        else:
+            # list ops and fused kernels have more operands than the record's shapes: all
+            # their tensors are taken to be in the traced dtype
+            listed = op == "fused_pointwise" or op.startswith(("_foreach_", "_fused_"))
+            bytes_in, bytes_out = recast_bytes(None if listed else _shapes(sig), count,
+                                               bytes_in, bytes_out, dtype, _price_as[1])
+        dtype = _price_as[1]
     if op.startswith("copy_"):
         seconds = copy_seconds(p, lnc, op, bytes_out, count)
         t.host_bytes += 0 if op == "copy_d2d" else bytes_out
@@ -311,7 +389,7 @@ def _account(record) -> tuple:
     t.launches += count
     t.by_op[op] += seconds
     t.by_engine[engine] += seconds
-    return seconds, engine, flops, hbm
+    return seconds, engine, flops, hbm, (dtype, bytes_in, bytes_out)
 
 
 # Per device: the newest epoch seen and its busy seconds per stream, since later records may
@@ -346,7 +424,7 @@ def _drain() -> None:
     with _lock:
         epochs: dict = defaultdict(lambda: defaultdict(float))
         for record in records:
-            seconds, engine, flops, hbm = _account(record)
+            seconds, engine, flops, hbm, priced = _account(record)
             device, stream, epoch = record[1], record[7], record[8]
             op = record[0].split("::", 1)[-1]
             for listen in _listeners:
@@ -354,8 +432,7 @@ def _drain() -> None:
             if _op_listeners:
                 sig = record[3]
                 charge = OpCharge(device, stream, op, engine, seconds, record[4], flops, hbm,
-                                  tuple(_shapes(sig)), _dtype_from_code(record[2]), record[5],
-                                  record[6], _flags(sig), epoch)
+                                  tuple(_shapes(sig)), *priced, _flags(sig), epoch)
                 for listen in _op_listeners:
                     listen(charge)
             epochs[(device, epoch)][stream] += seconds

@@ -92,3 +92,21 @@ def test_graph_time_adds_into_device_time_once():
     # program by the graph: together, the program's time.
     assert t.seconds == pytest.approx(g.seconds, rel=0.35)
     assert t.by_op["compiled_graph"] == pytest.approx(g.kernel_seconds)
+
+
+def test_work_on_a_scalar_inside_a_loop_is_charged_once():
+    # Inductor inlines the scale's arithmetic (a reciprocal on ScalarE) into the per-element
+    # loop; computed from a 0-d tensor, it runs once per kernel, as the compiler hoists it.
+    x = torch.randn(1024, 1024, device=N)
+    s = torch.tensor(3.0, device=N)
+    g1, hoisted = _program(lambda t, u: t * torch.reciprocal(u * 2 + 1), x, s)
+    g2, per_element = _program(lambda t, u: u * torch.reciprocal(t * 2 + 1), x, s)
+    p, lnc = _profile()
+    elements = x.numel() / (p.vector_lanes * p.scalar_clock * lnc)
+    assert per_element.busy["scalar"] >= 0.9 * elements
+    # (a few instructions' fixed cost remain)
+    assert hoisted.busy["scalar"] < 0.25 * per_element.busy["scalar"]
+    # the per-element multiply is still charged for every element: as t * u alone
+    _, plain = _program(lambda t, u: t * u, x, s)
+    assert hoisted.busy["vector"] >= 0.95 * plain.busy["vector"]
+    assert hoisted.seconds <= 1.1 * plain.seconds

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from ..profiling import _lanes
@@ -43,6 +43,37 @@ def _kernel_list():
     return graph._neuron_kernels
 
 
+def _invariant_counts(body) -> Counter:
+    """Compute ops of a loop body that depend on no loop variable (a scale computed from a
+    loaded scalar, inlined into the loop by Inductor): they run once per kernel, not per
+    element, as the compiler hoists them (so would a Trainium kernel: one scalar, then a
+    per-element ``tensor_scalar``)."""
+    block = getattr(body, "root_block", None)
+    if block is None:
+        return Counter()
+    loop_vars = set(getattr(body, "var_ranges", None) or ())
+    varying, counts = set(), Counter()
+    for node in block.graph.nodes:
+        if node.op == "call_module":
+            expr = body.indexing_exprs.get(node.args[0]) if node.target == "get_index" else None
+            if expr is None or expr.free_symbols & loop_vars:
+                varying.add(node)   # a varying index, or a masked/indirect sub-block
+            continue
+        if node.op != "call_method":
+            continue
+        if (node.target in _PER_ELEMENT
+                or any(a in varying for a in node.all_input_nodes)):
+            varying.add(node)
+        elif node.target not in _NOT_COMPUTE:
+            counts[node.target] += 1
+    return counts
+
+
+# Loop-body ops that run per element whatever their inputs.
+_PER_ELEMENT = {"reduction", "store", "store_reduction", "load_seed", "masked", "scan", "sort",
+                "partial_accumulate"}
+
+
 def record_kernel_nodes(nodes) -> None:
     """Describe one fused kernel (the scheduler nodes generated into it)."""
     from torch._inductor import ir
@@ -57,13 +88,16 @@ def record_kernel_nodes(nodes) -> None:
         numel = sympy_product(ranges[0]) * sympy_product(ranges[1])
         body = getattr(s, "_body", None)
         counts = getattr(body, "op_counts", None) or {}
-        n_sca = sum(c for op, c in counts.items() if op in _SCALAR_OPS)
-        n_vec = sum(c for op, c in counts.items() if op not in _NOT_COMPUTE
+        once = _invariant_counts(body) if counts else Counter()
+        n_sca = sum(c - once[op] for op, c in counts.items() if op in _SCALAR_OPS)
+        n_vec = sum(c - once[op] for op, c in counts.items() if op not in _NOT_COMPUTE
                     and op not in _SCALAR_OPS)
         if not counts:   # templates: at least one pass over the output
             n_vec = 1
-        vec_ops = vec_ops + n_vec * numel
-        sca_ops = sca_ops + n_sca * numel
+        vec_ops = vec_ops + n_vec * numel + sum(c for op, c in once.items()
+                                                if op not in _SCALAR_OPS)
+        sca_ops = sca_ops + n_sca * numel + sum(c for op, c in once.items()
+                                                if op in _SCALAR_OPS)
     reads, writes = set(), set()
     for s in snodes:
         reads |= {d.name for d in s.read_writes.reads}
@@ -97,6 +131,13 @@ def _buffer_bytes(name):
         return sympy_product(buf.get_size()) * buf.get_dtype().itemsize
     except (AttributeError, NotImplementedError):
         return None
+
+
+def _buffer_dtype(name) -> str:
+    """Name of a graph buffer's or input's dtype (as ``torch`` spells it)."""
+    from torch._inductor.virtualized import V
+    buf = V.graph.name_to_buffer.get(name) or V.graph.graph_inputs.get(name)
+    return str(buf.get_dtype()).removeprefix("torch.")
 
 
 def _program(graph):
@@ -199,12 +240,14 @@ def wrapper_cost_expr(index: int | None = None) -> str | None:
                                for shape in shapes) + ")"
             items.append(f"('extern', {name!r}, {sh}, {isz}, {ref(reads)}, {ref(writes)})")
     bufs = "(" + "".join(py(_buffer_bytes(n)) + ", " for n in names) + ")"
+    # the buffers' dtypes, for cost_model.price_as
+    dtypes = "(" + "".join(repr(_buffer_dtype(n)) + ", " for n in names) + ")"
     if index is None:
         index = graph.get_current_device_or_throw().index or 0
     phase = graph.get_training_phase() if hasattr(graph, "get_training_phase") else ""
     label = _graph_label(graph, phase)
     return (f"_neuron_cost.charge({index}, {phase!r}, {label!r}, {bufs}, "
-            f"({''.join(i + ', ' for i in items)}))")
+            f"({''.join(i + ', ' for i in items)}), {dtypes})")
 
 
 def _graph_label(graph, phase) -> str:
@@ -305,16 +348,29 @@ def _graph_cost(p, lnc, bufs, items):
     return got
 
 
-def charge(device: int, phase: str, label: str, bufs, items) -> None:
+def _priced_as(bufs, items, dtypes, source, new):
+    """``bufs`` and ``items`` with the buffers in ``source`` and the library calls on
+    ``source``'s itemsize as ``new`` (``cost_model.price_as``)."""
+    name, scale = str(source).removeprefix("torch."), new.itemsize / source.itemsize
+    bufs = tuple(round(b * scale) if d == name else b for b, d in zip(bufs, dtypes))
+    items = tuple(it[:3] + (new.itemsize,) + it[4:]
+                  if it[0] == "extern" and it[3] == source.itemsize else it for it in items)
+    return bufs, items
+
+
+def charge(device: int, phase: str, label: str, bufs, items, dtypes) -> None:
     """Called by generated code on every run of a compiled graph.
 
-    ``bufs``: bytes of the HBM buffers its kernels exchange; ``items``: its kernels in
-    program order (``program.simulate``). Both are tuples: a graph at one set of sizes is
-    timed once, a run only adds it up (this is on every compiled call's path).
+    ``bufs``: bytes of the HBM buffers its kernels exchange (``dtypes``: their dtypes'
+    names); ``items``: its kernels in program order (``program.simulate``). All are tuples:
+    a graph at one set of sizes is timed once, a run only adds it up (this is on every
+    compiled call's path).
     """
     from .. import _state, cost_model
     cfg = _state.config()
     p, lnc = cfg.profile, cfg.lnc
+    if cost_model._price_as is not None:
+        bufs, items = _priced_as(bufs, items, dtypes, *cost_model._price_as)
     prog, eager = _graph_cost(p, lnc, bufs, items)
     # The extern calls run as eager ops, whose records the runtime already charges; the
     # rest of the program's time is invisible to it and is added here.

@@ -229,7 +229,7 @@ def _charge(dev, op, dims, tensors, kind):
     """One TensorE kernel of (batch, M, K, N) ``dims`` at the ``kind`` rate, moving ``tensors``
     (operands, scales, bias, result) through HBM once."""
     cfg = _state.config()
-    nbytes = sum(t.nbytes for t in tensors if t is not None)
+    nbytes = sum(cost_model.priced_nbytes(t) for t in tensors if t is not None)
     seconds, flops = cost_model.scaled_matmul_seconds(cfg.profile, cfg.lnc, dims, kind, nbytes)
     cost_model._add_time(dev, op, seconds, engine="tensor", flops=flops, hbm_bytes=nbytes)
 

@@ -55,26 +55,10 @@ def _mp_dtypes(trace, mp_policy, covered, tp: int):
     return pd, mp_policy.reduce_dtype or pd, orig
 
 
-def _float_bytes_in(c, orig) -> tuple | None:
-    """(floating-point elements, other bytes) of an op's inputs: the record keeps one dtype,
-    so int64 inputs (indices, targets) are told by the bytes they add. None when no single
-    split explains the bytes (inputs beyond the three shapes a record keeps)."""
-    numels = [math.prod(s) for s in c.shapes]
-    total, per_launch = sum(numels), c.bytes_in / c.count
-    if per_launch == total * orig.itemsize:
-        return c.count * total, 0
-    found = set()
-    for mask in range(1, 1 << len(numels)):
-        ints = sum(x for i, x in enumerate(numels) if mask >> i & 1)
-        if (total - ints) * orig.itemsize + ints * 8 == per_launch:
-            found.add((c.count * (total - ints), c.count * ints * 8))
-    return found.pop() if len(found) == 1 else None
-
-
 def _mp_op(o, pd, orig, cfg) -> tuple:
     """(seconds, flops) of a traced op computed in ``orig`` as it runs on parameters cast to
     ``pd``: its floating-point bytes scaled by the itemsizes (int64 inputs kept)."""
-    from ..cost_model import copy_seconds
+    from ..cost_model import copy_seconds, recast_bytes
     c = o.charge
     if c.dtype != orig:
         return c.seconds, c.flops
@@ -86,9 +70,8 @@ def _mp_op(o, pd, orig, cfg) -> tuple:
                          f"(engine {c.engine}); it cannot be re-priced in {pd} for mp_policy "
                          f"(an Adaptive Eager fused kernel: trace with "
                          f"torch_neuronx.set_adaptive_eager(False))")
-    split = _float_bytes_in(c, orig)
-    bytes_in = split[0] * pd.itemsize + split[1] if split else round(c.bytes_in * scale)
-    return _reprice(c, c.shapes, bytes_in, round(c.bytes_out * scale), cfg, dtype=pd)
+    bytes_in, bytes_out = recast_bytes(c.shapes, c.count, c.bytes_in, c.bytes_out, orig, pd)
+    return _reprice(c, c.shapes, bytes_in, bytes_out, cfg, dtype=pd)
 
 
 def replay_fsdp(trace, n: int, units, cfg, nodes: int, replicate: int = 1, tp: int = 1,
