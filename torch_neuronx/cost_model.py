@@ -316,9 +316,11 @@ def price_as(dtype: torch.dtype, source: torch.dtype = torch.float32):
     floating-point bytes scaled by the itemsizes (``recast_bytes``) and TensorE ops the
     rate of ``dtype``; compiled graphs' buffers and library calls in ``source`` likewise.
     For a host that runs ``dtype`` slowly (a BF16 matmul without BF16 instructions): run
-    the step in fp32, read the bf16 step's modelled time. Scaled matmuls' tensors in
-    ``source`` (their results, bias, and fp32 scales alike) are priced as ``dtype``;
-    collectives and NKI kernels are charged as executed. Execution is unchanged."""
+    the step in fp32, read the bf16 step's modelled time. Calls charged as library kernels
+    (grouped and scaled matmuls, RMSNorm, FlexAttention) are priced in ``dtype`` too
+    (scaled matmuls' fp32 scales alike);
+    collectives and NKI kernels are charged as executed. Execution is unchanged. The
+    pricing is process-wide: work other threads run meanwhile is priced alike."""
     global _price_as
     for d in (dtype, source):
         if not d.is_floating_point:
@@ -328,8 +330,16 @@ def price_as(dtype: torch.dtype, source: torch.dtype = torch.float32):
     try:
         yield
     finally:
-        _settle()
-        _price_as = previous
+        try:
+            _settle()   # an asynchronous error surfacing here must not leave the pricing on
+        finally:
+            _price_as = previous
+
+
+def priced_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the cost model prices ``dtype`` as (``price_as`` in force or not), for work
+    priced from its tensors rather than from the runtime's records."""
+    return _price_as[1] if _price_as is not None and dtype == _price_as[0] else dtype
 
 
 def priced_nbytes(t: torch.Tensor) -> int:

@@ -97,3 +97,45 @@ def test_refuses_a_non_floating_dtype():
     with pytest.raises(TypeError, match="price_as: torch.int32 is not a floating-point dtype"):
         with torch_neuronx.price_as(torch.int32):
             pass
+
+
+def test_library_kernel_calls_are_priced_in_the_priced_dtype():
+    # rms_norm (charged as NKI-lib's rmsnorm_tkg) and torch._grouped_mm (one grouped matmul)
+    # are charged from their tensors, not from the runtime's records
+    offs = torch.tensor([64, 160, 256], dtype=torch.int32).to(DEV)
+
+    def run(dtype):
+        x = torch.randn(256, 128, dtype=dtype).to(DEV)
+        w = torch.randn(128, dtype=dtype).to(DEV)
+        experts = torch.randn(3, 128, 64, dtype=dtype).to(DEV)
+        torch.neuron.synchronize()
+        torch_neuronx.reset_modelled_time()
+        F.rms_norm(x, (128,), w, 1e-6)
+        torch._grouped_mm(x, experts, offs=offs)
+        torch.neuron.synchronize()
+
+    run(torch.bfloat16)
+    bf16 = torch_neuronx.modelled_time(reset=True)
+    run(torch.float32)
+    fp32 = torch_neuronx.modelled_time(reset=True)
+    with torch_neuronx.price_as(torch.bfloat16):
+        run(torch.float32)
+    priced = torch_neuronx.modelled_time(reset=True)
+    for op in ("rms_norm", "_grouped_mm"):
+        assert priced.by_op[op] == pytest.approx(bf16.by_op[op], rel=1e-9), op
+        assert fp32.by_op[op] != pytest.approx(bf16.by_op[op], rel=1e-3), op
+    assert priced.hbm_bytes == bf16.hbm_bytes
+
+
+def test_the_pricing_ends_with_the_block_even_when_it_raises():
+    x = torch.randn(64, 64).to(DEV)
+    with pytest.raises(RuntimeError, match="boom"):
+        with torch_neuronx.price_as(torch.bfloat16):
+            raise RuntimeError("boom")
+    torch_neuronx.reset_modelled_time()
+    (x @ x).sum().item()
+    plain = torch_neuronx.modelled_time(reset=True)
+    with torch_neuronx.price_as(torch.bfloat16):
+        (x @ x).sum().item()
+    priced = torch_neuronx.modelled_time(reset=True)
+    assert plain.hbm_bytes == 2 * priced.hbm_bytes

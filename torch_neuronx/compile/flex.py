@@ -180,6 +180,7 @@ def _as_nkilib(kind, q, k, kv_num, full_num, key, kv_block):
     """Charges the call as NKI-lib's FlashAttention kernel visiting the blocks the block
     mask lists (docs/nkilib.md) instead of the ATen ops that compute it here, when the
     kernel covers it (no score_mod; any mask_mod). Otherwise the ops are charged as usual."""
+    from .. import cost_model
     from ..kernels import nkilib_routes as routes
     secs = None
     if not _is_identity(_fns(key)[0]):
@@ -190,7 +191,8 @@ def _as_nkilib(kind, q, k, kv_num, full_num, key, kv_block):
         visited = kv_num.cpu().float().mean().item()
         if full_num is not None:
             visited += full_num.cpu().float().mean().item()
-        secs = routes.flex_seconds(kind, B, H, L, k.shape[2], d, q.dtype, min(1.0, visited / n_kv))
+        secs = routes.flex_seconds(kind, B, H, L, k.shape[2], d, cost_model.priced_dtype(q.dtype),
+                                   min(1.0, visited / n_kv))
     if secs is None:
         yield
         return

@@ -49,10 +49,13 @@ def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
 
 def _charge(dev, mat_a, mat_b, offs, out_nbytes):
     from . import nkilib_routes
+    dtype = cost_model.priced_dtype(mat_a.dtype)
     seconds, flops = nkilib_routes.grouped_mm_seconds(tuple(mat_a.shape), tuple(mat_b.shape),
-                                                      mat_a.dtype, offs)
+                                                      dtype, offs)
+    scale = dtype.itemsize / mat_a.dtype.itemsize
     cost_model._add_time(dev, "_grouped_mm", seconds, engine="tensor", flops=flops,
-                         hbm_bytes=mat_a.nbytes + mat_b.nbytes + out_nbytes)
+                         hbm_bytes=cost_model.priced_nbytes(mat_a)
+                         + cost_model.priced_nbytes(mat_b) + round(out_nbytes * scale))
 
 
 _lib.impl("_grouped_mm", _grouped_mm, "PrivateUse1")

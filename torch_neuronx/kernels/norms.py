@@ -53,14 +53,15 @@ def _rms_norm(input, normalized_shape, weight=None, eps=None):
         if out is not None:
             return out
     cfg = _state.config()
+    dtype = cost_model.priced_dtype(input.dtype)
     priced = _priced(cfg.profile.name, cfg.lnc, tuple(input.shape),
-                     tuple(int(s) for s in normalized_shape), input.dtype,
-                     None if weight is None else weight.dtype)
+                     tuple(int(s) for s in normalized_shape), dtype,
+                     None if weight is None else cost_model.priced_dtype(weight.dtype))
     if priced is None:
         return _RMS._op_dk(_COMPOSITE, *args)
     seconds, engine, shapes, bytes_in, bytes_out = priced
     with routes.charged_as(input.device, "rms_norm", seconds, engine=engine,
-                           hbm_bytes=bytes_in + bytes_out, shapes=shapes, dtype=input.dtype,
+                           hbm_bytes=bytes_in + bytes_out, shapes=shapes, dtype=dtype,
                            bytes_in=bytes_in, bytes_out=bytes_out):
         return _RMS._op_dk(_COMPOSITE, *args)
 
