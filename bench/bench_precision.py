@@ -3,8 +3,10 @@
 Each measurement alternates the two sides (paired) and reports median times and the median
 per-pair ratio, so machine noise hits both alike:
 
-* FP8 tensorwise ``torch._scaled_mm`` on neuron against CPU's ``torch._scaled_mm``
-  (neuron runs CPU's kernel on the device tensors' memory: target <= 1.1x);
+* FP8 tensorwise ``torch._scaled_mm`` on neuron against CPU's ``torch._scaled_mm``, at 512^3
+  (target <= 1.1x). Neuron's results are CPU's bits: it runs CPU's kernel on the device
+  tensors' memory, except where CPU's is oneDNN's reference kernel (hosts with AMX-int8,
+  0.05-0.1 GFLOPS), whose summation order neuron's own kernel repeats much faster;
 * blockwise (1x128 x 128x128) and MX (MXFP8, MXFP4) ``_scaled_mm`` on neuron, which CPU does
   not have, against a BF16 matmul of the same shape on neuron (target <= 3x host time; at
   512^3, since a BF16 matmul on a host without BF16 instructions takes seconds at 1024^3),
@@ -15,11 +17,11 @@ per-pair ratio, so machine noise hits both alike:
   a larger shape (Linear 1024->4096->1024, 2048 tokens: the bf16 step's matmuls are 57% of
   its modelled time), to see how the casts' HBM traffic and the FP8 matmul saving scale;
   with ``--matmul-bound`` at shapes where the FP8 saving outgrows the casts (contraction dims
-  of several thousand). There the bf16 step, which takes hours on a host without BF16
-  instructions, runs in fp32 under ``torch_neuronx.price_as(torch.bfloat16)``: charged as
-  the bf16 step (tests/device/test_price_as.py), its host time fp32's.
+  of several thousand). On a host without BF16 instructions, where that bf16 step takes
+  hours, ``--bf16-from-fp32`` runs it in fp32 under ``torch_neuronx.price_as(torch.bfloat16)``:
+  charged as the bf16 step (tests/device/test_price_as.py), its host time fp32's.
 
-Run: .venv/bin/python bench/bench_precision.py [--quick] [--large] [--matmul-bound]
+Run: .venv/bin/python bench/bench_precision.py [--quick] [--large] [--matmul-bound [--bf16-from-fp32]]
 """
 from __future__ import annotations
 
@@ -131,7 +133,7 @@ def blockwise_and_mx_vs_bf16(pairs, size):
              "MXFP8 e4m3 (E8M0 per 32, swizzled)": lambda: _mx(size, "mxfp8"),
              "MXFP4 e2m1 (E8M0 per 32, swizzled)": lambda: _mx(size, "mxfp4")}
     for name, make in cases.items():
-        r, c, d = paired(lambda: _mm(size, torch.bfloat16), make, pairs, 1)
+        r, c, d = paired(lambda: _mm(size, torch.bfloat16), make, pairs, 3)
         rows.append((f"{name} {size}^3 vs bf16 mm", c, d, r, "<= 3"))
         r, c, d = paired(lambda: _mm(size, torch.float32), make, pairs, 3)
         rows.append((f"{name} {size}^3 vs fp32 mm", c, d, r, "(for scale)"))
@@ -242,23 +244,25 @@ def main():
                     help="also the float8 step at a larger shape (bf16 steps take minutes on a "
                          "host without BF16 instructions)")
     ap.add_argument("--matmul-bound", action="store_true",
-                    help="also the float8 step at matmul-bound shapes, the bf16 step priced "
-                         "from an fp32 run (the float8 steps take minutes of host time)")
+                    help="also the float8 step at matmul-bound shapes (minutes of host time)")
+    ap.add_argument("--bf16-from-fp32", action="store_true",
+                    help="with --matmul-bound: run the bf16 step in fp32, priced as bf16 (for "
+                         "hosts without BF16 instructions)")
     args = ap.parse_args()
     pairs = 3 if args.quick else 7
-    size = 1024
     print("host time, paired medians:")
-    _report(tensorwise_vs_cpu(pairs, size), ("cpu", "neuron"))
+    _report(tensorwise_vs_cpu(pairs, 512), ("cpu", "neuron"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # trn2's one-time "no MX matmul path" (modelled below)
-        _report(blockwise_and_mx_vs_bf16(pairs, 512), ("mm", "scaled"))
+        for size in (512, 1024):
+            _report(blockwise_and_mx_vs_bf16(pairs, size), ("mm", "scaled"))
     modelled(4096)
     bench_torchao(min(pairs, 3), *((256, 1024, 512) if args.quick else (512, 2048, 1024)))
     if args.large:
         bench_torchao(0, 1024, 4096, 2048)
     if args.matmul_bound:
         for d, ffn, tokens in MATMUL_BOUND:
-            bench_torchao(0, d, ffn, tokens, priced=True)
+            bench_torchao(0, d, ffn, tokens, priced=args.bf16_from_fp32)
     torch_neuronx.modelled_time(reset=True)
 
 

@@ -53,15 +53,25 @@ bool narrowing_copy(const at::Tensor& src, const at::Tensor& dst);
 void copy(const at::Tensor& src, const at::Tensor& dst);
 }  // namespace sr
 
+// torch._scaled_mm's FP8 x FP8 tensorwise product in oneDNN's reference order (scaled_mm.cpp):
+// fp32 operands holding FP8 values, per-tensor scales; the fp32 result before bias and cast.
+at::Tensor scaled_mm_sequential(const at::Tensor& a, const at::Tensor& b, double scale_a,
+                                double scale_b);
+// The address of the blockwise/MX product kernel that Python launches on the queue through
+// compiled::launch_kernel (scaled_mm.cpp).
+int64_t scaled_blocked_mm_entry();
+
 namespace compiled {
 // The most arguments a compiled kernel can take through launch_kernel.
 constexpr size_t kMaxArgs = 512;
 // Queue `fn`, an Inductor C++ kernel (extern "C", arguments pointers and int64 sizes), on
 // the current stream of its tensors' device. kinds: one letter per argument, 'r' a pointer
 // the kernel reads, 'w' one it writes, 'i' an int64; `tensors` gives the pointer arguments
-// in order, `words` every argument as a 64-bit word.
+// in order, `words` every argument as a 64-bit word. `work_bytes`: how much more than its
+// tensors' bytes the kernel's work weighs (a matmul's), for the queue's size thresholds.
 void launch_kernel(void* fn, const std::string& name, const std::string& kinds,
-                   std::vector<at::Tensor> tensors, std::vector<int64_t> words);
+                   std::vector<at::Tensor> tensors, std::vector<int64_t> words,
+                   int64_t work_bytes = 0);
 }  // namespace compiled
 
 }  // namespace neuron

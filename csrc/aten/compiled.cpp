@@ -51,12 +51,13 @@ const char* intern(const std::string& name) {
 }  // namespace
 
 void launch_kernel(void* fn, const std::string& name, const std::string& kinds,
-                   std::vector<at::Tensor> tensors, std::vector<int64_t> words) {
+                   std::vector<at::Tensor> tensors, std::vector<int64_t> words,
+                   int64_t work_bytes) {
   TORCH_CHECK(fn != nullptr, "compiled kernel ", name, ": no entry point");
   TORCH_CHECK(words.size() <= kMaxArgs, "compiled kernel ", name, " takes ", words.size(),
               " arguments; the device launches at most ", kMaxArgs);
   c10::DeviceIndex d = -1;
-  int64_t bytes = 0;
+  int64_t bytes = work_bytes;
   std::vector<const void*> reads, writes;
   bool host_operand = false;
   size_t t = 0;

@@ -233,6 +233,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         [](void* ctx) { delete static_cast<c10::Storage*>(ctx); }, c10::Device(c10::kCPU)));
     return alias;
   });
+  m.def("_scaled_mm_sequential", &neuron::scaled_mm_sequential,
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("_scaled_blocked_mm_entry", &neuron::scaled_blocked_mm_entry);
   m.def("_route_composites_to_cpu", &neuron::route_composites_to_cpu);
   // torch.multiprocessing: a device buffer moves into a shared-memory CPU storage (device
   // memory is host memory), which another process maps and adopts as its own device buffer.
@@ -276,7 +279,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_quiet", &neuron::quiet);
   m.def("_drain_op_records", &neuron::drain_records);
   // _launch_kernel(entry, name, kinds, *args): a compiled graph's C++ kernel on the queue
-  // (csrc/aten/compiled.cpp); entry is the kernel's address, args tensors and ints.
+  // (csrc/aten/compiled.cpp); entry is the kernel's address, args tensors and ints; kind 'h'
+  // is no argument but the work's weight in bytes (launch_kernel's work_bytes).
   m.def("_launch_kernel", [](pybind11::args args) {
     TORCH_CHECK(args.size() >= 3, "_launch_kernel(entry, name, kinds, *args)");
     auto* fn = reinterpret_cast<void*>(args[0].cast<uintptr_t>());
@@ -287,10 +291,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                 " argument kinds for ", n, " arguments");
     std::vector<at::Tensor> tensors;
     std::vector<int64_t> words;
+    int64_t work_bytes = 0;
     tensors.reserve(n);
     words.reserve(n);
     for (size_t i = 0; i < n; ++i) {
       PyObject* a = args[i + 3].ptr();
+      if (kinds[i] == 'h') {
+        work_bytes += args[i + 3].cast<int64_t>();
+        continue;
+      }
       if (kinds[i] == 'i') {
         words.push_back(args[i + 3].cast<int64_t>());
         continue;
@@ -302,7 +311,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       tensors.push_back(t);
     }
     pybind11::gil_scoped_release no_gil;
-    neuron::compiled::launch_kernel(fn, name, kinds, std::move(tensors), std::move(words));
+    neuron::compiled::launch_kernel(fn, name, kinds, std::move(tensors), std::move(words), work_bytes);
   });
   m.def("_set_dtype_policy", [](pybind11::object policy) {
     Py_XDECREF(g_retry_policy);

@@ -532,3 +532,66 @@ def test_mx_grouped_charged_as_one_mx_kernel():
         t = _modelled(lambda: torch._scaled_grouped_mm(qa, b, bsa, bsb, offs))
     assert t.launches == 1 and list(t.by_op) == ["_scaled_grouped_mm"]
     assert t.flops == pytest.approx(2.0 * 64 * 128 * 32)
+
+
+# --- CPU's bits on operands that tell summation orders apart ---
+# Where CPU's tensorwise FP8 x FP8 product runs oneDNN's reference kernel (hosts with
+# AMX-int8), neuron computes it with its own kernel in the same order; elsewhere it runs
+# CPU's. Large operands and scales that are not powers of two make the orders disagree.
+def _wide(m, k, nn, da, db, seed):
+    g = torch.Generator().manual_seed(seed)
+    a = (torch.randn(m, k, generator=g) * 120).clamp(-448, 448).to(da)
+    b = (torch.randn(nn, k, generator=g) * 120).clamp(-448, 448).to(db).t()
+    return a, b
+
+
+@pytest.mark.parametrize("mkldnn", [True, False])
+@pytest.mark.parametrize("dtypes", [(E4, E4), (E5, E5), (E4, E5)])
+def test_tensorwise_matches_cpu_where_summation_orders_differ(dtypes, mkldnn):
+    a, b = _wide(70, 600, 130, *dtypes, seed=3)
+    cases = [(0.0123, 0.037, None, torch.float32), (1.0, 0.037, None, torch.bfloat16),
+             (0.0123, 1.0, torch.randn(130).half(), torch.float16),
+             (0.0123, 0.037, torch.randn(130).bfloat16(), torch.bfloat16)]
+    with torch.backends.mkldnn.flags(enabled=mkldnn):
+        for sa, sb, bias, out_dtype in cases:
+            sa, sb = torch.tensor(sa), torch.tensor(sb)
+            want = torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=out_dtype)
+            got = torch._scaled_mm(n(a), n(b), n(sa), n(sb), bias=n(bias), out_dtype=out_dtype)
+            assert torch.equal(got.cpu(), want), (sa, sb, out_dtype)
+    # The operands do discriminate: the two orders CPU may run give different fp32 sums.
+    sa, sb = torch.tensor(0.0123), torch.tensor(0.037)
+    dequantized = (a.float() * sa) @ (b.float() * sb)
+    from torch_neuronx import _C
+    assert not torch.equal(dequantized, _C._scaled_mm_sequential(a.float(), b.float(), 0.0123, 0.037))
+
+
+def test_tensorwise_reference_order_kernel_handles_ragged_tiles_and_specials():
+    from torch_neuronx import _C
+    a, b = _wide(67, 301, 259, E4, E4, seed=4)
+    a[0, 0] = float("nan")
+    want = torch.zeros(67, 259)
+    for k in range(301):  # the reference order, written out
+        want = want + ((a[:, k].float()[:, None] * b[k, :].float()[None, :]) * 0.0123) * 0.037
+    got = _C._scaled_mm_sequential(a.float(), b.float(), 0.0123, 0.037)
+    assert torch.equal(got.isnan(), want.isnan()) and got.isnan()[0].all()
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("bf16_gemm", [True, False])
+def test_blockwise_and_mx_with_and_without_the_bf16_gemm(bf16_gemm, monkeypatch):
+    # Hosts with BF16 instructions multiply the FP8 values (exact in bf16) with MKL's
+    # bf16 x bf16 -> fp32 GEMM; others in fp32. Both must meet the one-rounding bound.
+    from torch_neuronx.kernels import scaled_mm as impl
+    if bf16_gemm and not impl._BF16_GEMM:
+        pytest.skip("this host has no BF16 GEMM")
+    if not bf16_gemm:
+        monkeypatch.setattr(impl, "_BF16_GEMM", 0)
+    a, b = _operands(M, K, N)
+    sa, sb, ra, rb = _v1_scales("1x128", "128x128", seed=5)
+    got = torch._scaled_mm(n(a), n(b), n(sa), n(sb), out_dtype=torch.float32)
+    _check_one_rounding(got, a.double() * ra, b.double() * rb)
+    x, w = torch.randn(96, 256) * 3, torch.randn(80, 256) * 3
+    xa, xs, x64 = _mx_reference(x, "mxfp8")
+    wa, ws, w64 = _mx_reference(w, "mxfp8")
+    got = torch._scaled_mm(n(xa), n(wa).t(), n(to_blocked(xs)), n(to_blocked(ws)), out_dtype=torch.float32)
+    _check_one_rounding(got, x64, w64.t())

@@ -6,10 +6,12 @@ per 32 elements, in cuBLAS's swizzled layout), and ``_scaled_grouped_mm`` is CUD
 Trainium has FP8 matmuls (and Trainium3 MX ones), so neuron takes CUDA's FP8 and MX forms
 (NVFP4, NVIDIA's own, is refused naming MXFP4):
 
-* tensorwise and rowwise run CPU's kernel on the device tensors' host memory, so results are
-  bit-identical to CPU;
-* blockwise and MX dequantize each operand to fp32 (value times its block's scale), multiply
-  with fp32 accumulation, add the bias in fp32 and round once to ``out_dtype``;
+* tensorwise and rowwise give CPU's bits: CPU's kernel on the device tensors' host memory,
+  or, where CPU's is oneDNN's reference kernel, ``_C._scaled_mm_sequential`` in its order;
+* blockwise and MX run ``csrc/aten/scaled_mm.cpp``'s kernel on the device queue: fp32
+  accumulation (MX: exactly dequantized operands, in bf16 where the host has a BF16 GEMM;
+  blockwise: per 128-wide block of K, then scaled), the bias added in fp32, one rounding to
+  ``out_dtype``;
 * scale shapes, strides and swizzles are checked as CUDA checks them, with CUDA's messages.
 
 Each call is charged as one TensorE kernel at the chip's FP8 or MX rate
@@ -166,16 +168,86 @@ def _unswizzle(s, rows, kblocks):
     return tiles.reshape(nrb * 128, ncb * 4)[:rows, :kblocks]
 
 
-def _dequantized_mm(a, b, sa, sb, ra, rb, bias):
-    """Blockwise and MX: (M, K) x (K, N) with scales normalised to (blocks of A along M, along
-    K) and (blocks of B along K, along N); fp32 accumulation, bias in fp32 (the caller rounds
-    once)."""
-    blocks = {_B1x128: (1, 128), _B128x128: (128, 128), _B1x32: (1, 32)}
-    af = _scale_blocks(_to_float(a, 1), sa, *blocks[ra])
-    bf = _scale_blocks(_to_float(b, 0), sb, *reversed(blocks[rb]))
-    out = torch.mm(af, bf)
-    if bias is not None:
-        out += bias.float()
+# --- the blockwise and MX product: csrc/aten/scaled_mm.cpp's kernel, on the device queue ---
+# FP8 and FP4 values, and MX's dequantized ones (times a power of two), are exact in bf16, so
+# a BF16 GEMM that accumulates in fp32 computes their product as an fp32 one does, at the
+# host's BF16 rate (AMX: several times fp32's). CPU's own matmuls give no fp32 result from
+# bf16 operands; MKL's cblas_gemm_bf16bf16f32, which libtorch_cpu carries, does.
+def _bf16_gemm_address():
+    if not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
+        return 0  # without BF16 instructions MKL converts to fp32 itself: no gain
+    import ctypes
+    import os
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        return ctypes.cast(lib.cblas_gemm_bf16bf16f32, ctypes.c_void_p).value or 0
+    except (OSError, AttributeError):  # a torch built without MKL
+        return 0
+
+
+_BF16_GEMM = _bf16_gemm_address()
+_BLOCKED_MM = _C._scaled_blocked_mm_entry()
+_CODE_TABLES = {}
+
+
+def _code_table(dtype):
+    """The fp32 value of every byte of ``dtype`` (FP4: both nibbles, low first); kept for the
+    process, as the kernel reads it by address."""
+    table = _CODE_TABLES.get(dtype)
+    if table is None:
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        table = _FP4_PAIRS if dtype == _FP4 else codes.view(dtype).float()
+        table = _CODE_TABLES[dtype] = table.float().contiguous()
+    return table
+
+
+def _codes(t):
+    """Rows along K of an FP8/FP4 operand, as contiguous bytes, and its table and values per byte."""
+    return t.contiguous().view(torch.uint8), _code_table(t.dtype), 2 if t.dtype == _FP4 else 1
+
+
+def _launch_blocked_mm(dev, a, bt, k, sa=None, sb=None, rows=None, cols=None):
+    """(M, K) ``a`` times ``bt``, B's rows along K, -> a new fp32 (M, N) device tensor.
+    MX: ``sa`` (M, K/32) and ``sb`` (N, K/32) E8M0 scales as fp32; blockwise: ``rows``
+    (M, K/128) and ``cols`` (K/128, N) fp32 scales."""
+    m, n = a.size(0), bt.size(0)
+    out = torch.empty(m, n, device=dev)
+    ac, at_, ap = _codes(a)
+    bc, bt_, bp = _codes(bt)
+    args, kinds = [], ""
+
+    def scales(s):
+        nonlocal kinds
+        if s is None:
+            args.extend((0, 0, 1))
+            kinds += "iii"
+        else:
+            s = s.float().contiguous()
+            args.extend((s, s.size(1), 32))
+            kinds += "rii"
+
+    args.extend((ac, at_.data_ptr(), ap))
+    kinds += "rii"
+    scales(sa)
+    args.extend((bc, bt_.data_ptr(), bp))
+    kinds += "rii"
+    scales(sb)
+    args.extend((m, n, k, _BF16_GEMM))
+    kinds += "iiii"
+    for s in (rows, cols):
+        if s is None:
+            args.append(0)
+            kinds += "i"
+        else:
+            args.append(s.float().contiguous())
+            kinds += "r"
+    args.append(out)
+    kinds += "w"
+    # A matmul's work far outweighs its operands' bytes: weighed as the bytes a memory-bound
+    # op of about its duration moves, so the host sleeps rather than spin on a core it needs.
+    args.append(m * n * k // 16)
+    kinds += "h"
+    _C._launch_kernel(_BLOCKED_MM, "scaled_mm_blocked", kinds, *args)
     return out
 
 
@@ -282,15 +354,13 @@ def _scaled_mm(self, mat2, scale_a, scale_b, bias=None, scale_result=None, out_d
         if stochastic_rounding._applies(out_dtype):
             # CPU's kernel rounds inside; the fp32 product plus the bias in fp32 rounds here.
             _check_bias(bias, out_dtype, mat2.size(1))
-            wide = torch._scaled_mm(*host[:4], scale_result=host[5], out_dtype=torch.float32,
-                                    use_fast_accum=use_fast_accum)
+            wide = _cpu_scaled_mm(*host[:4], None, host[5], torch.float32, use_fast_accum)
             if bias is not None:
                 wide += host[4].float()
             _charge(dev, op, _mm_dims(self, wide), (self, mat2, scale_a, scale_b, bias,
                                                      _out_meta(wide.shape, out_dtype)), "float8")
             return _finish(wide, out_dtype, dev)
-        out = torch._scaled_mm(*host[:4], bias=host[4], scale_result=host[5], out_dtype=out_dtype,
-                               use_fast_accum=use_fast_accum)
+        out = _cpu_scaled_mm(*host, out_dtype, use_fast_accum)
         _charge(dev, op, _mm_dims(self, out), (self, mat2, scale_a, scale_b, bias, out), "float8")
         return _adopt(out, dev)
     if ra == _B1x16:
@@ -304,15 +374,74 @@ def _scaled_mm(self, mat2, scale_a, scale_b, bias=None, scale_result=None, out_d
     return _blocked(op, dev, self, mat2, scale_a, scale_b, ra, rb, bias, out_dtype, v2=False)
 
 
+# --- CPU's tensorwise FP8 x FP8 product where oneDNN's reference kernel computes it ---
+# On a host with AMX-int8, CPU's _scaled_mm hands a same-format product with per-tensor scales
+# to oneDNN, which runs its reference matmul (0.1 GFLOPS). _C._scaled_mm_sequential makes the
+# same roundings in the same order about a thousand times faster. Whether CPU runs that kernel
+# is decided by what it computes: a probe per format pair, whose operands tell the reference
+# order apart from the dequantize-then-matmul one that other hosts run.
+_REFERENCE_ORDER = {}
+
+
+def _cpu_runs_reference_order(dtype_a, dtype_b):
+    verdict = _REFERENCE_ORDER.get((dtype_a, dtype_b))
+    if verdict is None:
+        g = torch.Generator().manual_seed(0)
+        a = (torch.randn(4, 512, generator=g) * 100).clamp(-448, 448).to(dtype_a)
+        b = (torch.randn(512, 4, generator=g) * 100).clamp(-448, 448).to(dtype_b)
+        sa, sb = torch.tensor(0.0123), torch.tensor(0.037)
+        cpu = torch._scaled_mm(a, b, sa, sb, out_dtype=torch.float32)
+        ours = _C._scaled_mm_sequential(a.float(), b.float(), 0.0123, 0.037)
+        other = (a.float() * sa) @ (b.float() * sb)
+        verdict = _REFERENCE_ORDER[(dtype_a, dtype_b)] = (torch.equal(cpu, ours)
+                                                           and not torch.equal(other, ours))
+    return verdict
+
+
+def _cpu_scaled_mm(a, b, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum):
+    """CPU's ``torch._scaled_mm`` on host tensors, bit for bit."""
+    out_dtype = out_dtype if out_dtype is not None else a.dtype
+    if (scale_a.numel() == 1 and scale_b.numel() == 1 and a.dtype == b.dtype and a.numel() and b.numel()
+            and out_dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and (bias is None or (out_dtype != torch.float32 and bias.dtype == out_dtype
+                                  and bias.shape == (b.size(1),)))
+            and torch._C._get_mkldnn_enabled() and _cpu_runs_reference_order(a.dtype, b.dtype)):
+        out = _C._scaled_mm_sequential(a.float(), b.float(), scale_a.item(), scale_b.item())
+        if bias is not None:
+            out += bias.float()
+        return out.to(out_dtype)
+    return torch._scaled_mm(a, b, scale_a, scale_b, bias=bias, scale_result=scale_result,
+                            out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+
+
 def _blocked(op, dev, a, b, scale_a, scale_b, ra, rb, bias, out_dtype, v2):
-    """The blockwise and MX forms, scales as the entry (``v2`` or not) lays them out."""
+    """The blockwise and MX forms, scales as the entry (``v2`` or not) lays them out; queued
+    on the device like any op."""
+    # The device ops preparing the call (scale layouts, the output's cast) run unrecorded:
+    # the call is charged as the one kernel it is on the chip.
+    idx = _index(dev)
+    _C._close_window(idx)
+    prev = _C._set_op_records(False)
+    try:
+        out = _blocked_unrecorded(dev, a, b, scale_a, scale_b, ra, rb, bias, out_dtype, v2)
+    finally:
+        _C._close_window(idx)
+        _C._set_op_records(prev)
+    _charge(dev, op, _mm_dims(a, out), (a, b, scale_a, scale_b, bias, _out_meta(out.shape, out_dtype)),
+            "mx" if ra == _B1x32 else "float8")
+    return out
+
+
+def _blocked_unrecorded(dev, a, b, scale_a, scale_b, ra, rb, bias, out_dtype, v2):
     m, n = a.size(0), b.size(1)
     k = a.size(1) * (2 if a.dtype == _FP4 else 1)
     kb = _cdiv(k, 128)
-    ha, hb, sa, sb, hbias = _host(a, b, scale_a, scale_b, bias)
-    if ra == _B1x32:
-        sa = _unswizzle(sa, m, _cdiv(k, 32))
-        sb = _unswizzle(sb, n, _cdiv(k, 32)).t()
+    sa, sb = scale_a, scale_b
+    if m == 0 or n == 0 or k == 0:
+        out = torch.zeros(m, n, device=dev)
+    elif ra == _B1x32:
+        out = _launch_blocked_mm(dev, a, b.t(), k, sa=_unswizzle(sa, m, _cdiv(k, 32)),
+                                 sb=_unswizzle(sb, n, _cdiv(k, 32)))
     else:
         if v2 and ra == _B128x128:   # (round_up(K/128, 4), M/128), K-block major
             sa = sa[:kb].t()
@@ -320,13 +449,14 @@ def _blocked(op, dev, a, b, scale_a, scale_b, ra, rb, bias, out_dtype, v2):
             sb = sb.t()
         if v2 and rb == _B128x128:   # (round_up(K/128, 4), N/128)
             sb = sb[:kb]
-    if m == 0 or n == 0 or k == 0:
-        out = torch.zeros(m, n)
-    else:
-        out = _dequantized_mm(ha, hb, sa, sb, ra, rb, hbias)
-    _charge(dev, op, _mm_dims(a, out), (a, b, scale_a, scale_b, bias, _out_meta(out.shape, out_dtype)),
-            "mx" if ra == _B1x32 else "float8")
-    return _finish(out, out_dtype, dev)
+        rows = sa.float().repeat_interleave(128 if ra == _B128x128 else 1, 0)[:m]   # (M, K/128)
+        cols = sb.float().repeat_interleave(128 if rb == _B128x128 else 1, 1)[:, :n]  # (K/128, N)
+        out = _launch_blocked_mm(dev, a, b.t(), k, rows=rows, cols=cols)
+    if bias is not None:
+        out += bias.float()
+    if stochastic_rounding._applies(out_dtype):
+        return stochastic_rounding._round(out, out_dtype)
+    return out.to(out_dtype)
 
 
 def _into(out, value):
