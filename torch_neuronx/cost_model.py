@@ -376,14 +376,11 @@ def _account(record) -> tuple:
     op = name.split("::", 1)[-1]
     dtype = _dtype_from_code(dtype_code)
     if _price_as is not None and dtype == _price_as[0]:
-        if op.startswith("copy_"):
-            bytes_out = round(bytes_out * _price_as[1].itemsize / dtype.itemsize)
-        else:
-            # list ops and fused kernels have more operands than the record's shapes: all
-            # their tensors are taken to be in the traced dtype
-            listed = op == "fused_pointwise" or op.startswith(("_foreach_", "_fused_"))
-            bytes_in, bytes_out = recast_bytes(None if listed else _shapes(sig), count,
-                                               bytes_in, bytes_out, dtype, _price_as[1])
+        # copies move only bytes_out; list ops and fused kernels have more operands than the
+        # record's shapes: all their tensors are taken to be in the traced dtype
+        whole = op.startswith(("copy_", "_foreach_", "_fused_")) or op == "fused_pointwise"
+        bytes_in, bytes_out = recast_bytes(None if whole else _shapes(sig), count, bytes_in,
+                                           bytes_out, dtype, _price_as[1])
         dtype = _price_as[1]
     if op.startswith("copy_"):
         seconds = copy_seconds(p, lnc, op, bytes_out, count)

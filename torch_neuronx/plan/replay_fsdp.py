@@ -62,9 +62,9 @@ def _mp_op(o, pd, orig, cfg) -> tuple:
     c = o.charge
     if c.dtype != orig:
         return c.seconds, c.flops
-    scale = pd.itemsize / orig.itemsize
     if c.name.startswith("copy_"):
-        return copy_seconds(cfg[0], cfg[1], c.name, round(c.bytes_out * scale), c.count), 0.0
+        _, nbytes = recast_bytes(None, c.count, c.bytes_in, c.bytes_out, orig, pd)
+        return copy_seconds(cfg[0], cfg[1], c.name, nbytes, c.count), 0.0
     if c.shapes is None:
         raise ValueError(f"replay: {c.name} in module {o.module!r} was not priced from shapes "
                          f"(engine {c.engine}); it cannot be re-priced in {pd} for mp_policy "
