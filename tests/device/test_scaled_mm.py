@@ -595,3 +595,16 @@ def test_blockwise_and_mx_with_and_without_the_bf16_gemm(bf16_gemm, monkeypatch)
     wa, ws, w64 = _mx_reference(w, "mxfp8")
     got = torch._scaled_mm(n(xa), n(wa).t(), n(to_blocked(xs)), n(to_blocked(ws)), out_dtype=torch.float32)
     _check_one_rounding(got, x64, w64.t())
+
+
+def test_formats_cpu_refuses_raise_cpus_error_with_the_callers_shapes():
+    a = torch.randn(6, 64).to(torch.float8_e4m3fnuz)
+    b = torch.randn(10, 64).to(torch.float8_e4m3fnuz).t()
+    one = torch.tensor(1.0)
+    with pytest.raises(RuntimeError) as cpu:
+        torch._scaled_mm(a, b, one, one, out_dtype=torch.float32)
+    with pytest.raises(RuntimeError) as dev:
+        torch._scaled_mm(n(a), n(b), n(one), n(one), out_dtype=torch.float32)
+    assert str(dev.value) == str(cpu.value)
+    x = torch.ones(2, 2, device=DEV)
+    assert torch.equal((x + 1).cpu(), torch.full((2, 2), 2.0))  # the device is still usable
