@@ -254,7 +254,7 @@ def main():
     _report(tensorwise_vs_cpu(pairs, 512), ("cpu", "neuron"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # trn2's one-time "no MX matmul path" (modelled below)
-        for size in (512, 1024):
+        for size in (512, 1024, 2048):
             _report(blockwise_and_mx_vs_bf16(pairs, size), ("mm", "scaled"))
     modelled(4096)
     bench_torchao(min(pairs, 3), *((256, 1024, 512) if args.quick else (512, 2048, 1024)))

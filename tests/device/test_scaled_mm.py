@@ -608,3 +608,27 @@ def test_formats_cpu_refuses_raise_cpus_error_with_the_callers_shapes():
     assert str(dev.value) == str(cpu.value)
     x = torch.ones(2, 2, device=DEV)
     assert torch.equal((x + 1).cpu(), torch.full((2, 2), 2.0))  # the device is still usable
+
+
+@pytest.mark.parametrize("dtype", [E4, E5])
+def test_mx_operand_decoding_of_every_code(dtype):
+    # MX with unit scales times the identity returns each operand value: every finite code of
+    # the format (subnormals included) decodes as CPU converts it.
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    values = codes.view(dtype).float()
+    finite = codes[values.isfinite()]
+    k = 32 * (finite.numel() // 32)
+    a = finite[:k].repeat(4, 1).view(dtype)                       # (4, K)
+    eye = torch.eye(k).to(dtype)                                  # (K, K): B, column-major below
+    ones = torch.full((4, k // 32), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    ones_b = torch.full((k, k // 32), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    got = torch._scaled_mm(n(a), n(eye).t(), n(to_blocked(ones)), n(to_blocked(ones_b)),
+                           out_dtype=torch.float32)
+    assert torch.equal(got.cpu(), a.float())
+    # a NaN (and for E5M2 an infinity) in a row makes the row NaN, as the product does
+    special = codes[~values.isfinite()][:1].view(dtype)
+    a2 = a.clone()
+    a2[1, 0] = special[0]
+    got = torch._scaled_mm(n(a2), n(eye).t(), n(to_blocked(ones)), n(to_blocked(ones_b)),
+                           out_dtype=torch.float32).cpu()
+    assert got[1].isnan().any() and not got[0].isnan().any()

@@ -202,7 +202,8 @@ def _code_table(dtype):
 
 
 def _codes(t):
-    """Rows along K of an FP8/FP4 operand, as contiguous bytes, and its table and values per byte."""
+    """Rows along K of an FP8/FP4 operand, as contiguous bytes, its table and how the kernel
+    reads a byte (scaled_mm.cpp's Format: 1 a value, 2 a pair, FP4)."""
     return t.contiguous().view(torch.uint8), _code_table(t.dtype), 2 if t.dtype == _FP4 else 1
 
 
