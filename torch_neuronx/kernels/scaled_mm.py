@@ -298,12 +298,17 @@ def _nvfp4(op):
         "BlockWise1x32), which Trainium3 runs natively")
 
 
-def _charge(dev, op, dims, tensors, kind):
-    """One TensorE kernel of (batch, M, K, N) ``dims`` at the ``kind`` rate, moving ``tensors``
-    (operands, scales, bias, result) through HBM once."""
+def _price(dims, tensors, kind):
+    """(seconds, flops, HBM bytes) of one TensorE kernel of (batch, M, K, N) ``dims`` at the
+    ``kind`` rate, moving ``tensors`` (operands, scales, bias, result) through HBM once."""
     cfg = _state.config()
     nbytes = sum(cost_model.priced_nbytes(t) for t in tensors if t is not None)
     seconds, flops = cost_model.scaled_matmul_seconds(cfg.profile, cfg.lnc, dims, kind, nbytes)
+    return seconds, flops, nbytes
+
+
+def _charge(dev, op, dims, tensors, kind):
+    seconds, flops, nbytes = _price(dims, tensors, kind)
     cost_model._add_time(dev, op, seconds, engine="tensor", flops=flops, hbm_bytes=nbytes)
 
 
@@ -421,19 +426,14 @@ def _cpu_scaled_mm(a, b, scale_a, scale_b, bias, scale_result, out_dtype, use_fa
 def _blocked(op, dev, a, b, scale_a, scale_b, ra, rb, bias, out_dtype, v2):
     """The blockwise and MX forms, scales as the entry (``v2`` or not) lays them out; queued
     on the device like any op."""
+    from .nkilib_routes import charged_as
     # The device ops preparing the call (scale layouts, the output's cast) run unrecorded:
     # the call is charged as the one kernel it is on the chip.
-    idx = _index(dev)
-    _C._close_window(idx)
-    prev = _C._set_op_records(False)
-    try:
-        out = _blocked_unrecorded(dev, a, b, scale_a, scale_b, ra, rb, bias, out_dtype, v2)
-    finally:
-        _C._close_window(idx)
-        _C._set_op_records(prev)
-    _charge(dev, op, _mm_dims(a, out), (a, b, scale_a, scale_b, bias, _out_meta(out.shape, out_dtype)),
-            "mx" if ra == _B1x32 else "float8")
-    return out
+    out_meta = _out_meta((a.size(0), b.size(1)), out_dtype)
+    seconds, flops, nbytes = _price(_mm_dims(a, out_meta), (a, b, scale_a, scale_b, bias, out_meta),
+                                    "mx" if ra == _B1x32 else "float8")
+    with charged_as(dev, op, seconds, engine="tensor", flops=flops, hbm_bytes=nbytes):
+        return _blocked_unrecorded(dev, a, b, scale_a, scale_b, ra, rb, bias, out_dtype, v2)
 
 
 def _blocked_unrecorded(dev, a, b, scale_a, scale_b, ra, rb, bias, out_dtype, v2):
