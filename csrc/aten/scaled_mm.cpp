@@ -14,11 +14,20 @@
 #include "aten.h"
 
 #include <ATen/Parallel.h>
+#include <omp.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <atomic>
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
+#include <thread>
 #include <utility>
+#include <vector>
 
 namespace neuron {
 namespace {
@@ -92,75 +101,149 @@ inline float bf16_value(uint16_t b) {
   return v;
 }
 
-// One row of codes (one value per byte, or two: FP4's low nibble first) looked up in `table`,
-// times its block's scale; bf16 output (uint16_t bits) reports whether a rounding was
-// inexact, fp32 output rounds the product once.
 // How a byte holds its values: looked up in a table of one value (FP8) or of a pair (FP4, low
 // nibble first). (Decoding E4M3/E5M2 arithmetically instead measured 2x slower: 5.6 against
 // 2.9 ms for an MXFP8 1024^3 product.)
 enum Format : int { kTable = 1, kPairs = 2 };
 
+struct Operand {  // rows of FP8/FP4 codes along K, with optional E8M0 scales per 32 of K
+  const uint8_t* codes;
+  const float* table;        // each code's value (FP4: each byte's pair)
+  int format;                // Format
+  const uint8_t* scales;     // E8M0 codes in cuBLAS's swizzled 128 x 4 tiles, or null
+  const float* scale_table;  // each E8M0 code's value
+  int64_t scale_tiles;       // tiles of 4 scales along K: ceil(ceil(K / 32) / 4)
+
+  // The scale of row r's kb-th block of 32 (torch.testing's to_blocked layout: per tile of
+  // 128 rows x 4 blocks, rows r % 32 outermost, then r / 32 % 4, then kb % 4).
+  float scale(int64_t r, int64_t kb) const {
+    const int64_t tile = (r / 128) * scale_tiles + kb / 4;
+    return scale_table[scales[tile * 512 + (r % 32) * 16 + (r % 128 / 32) * 4 + kb % 4]];
+  }
+
+  // The format's least nonzero magnitude: every value is a multiple of it.
+  double least() const {
+    float v = INFINITY;
+    for (int i = 0; i < 256 * format; ++i) {
+      const float x = std::fabs(table[i]);
+      if (x > 0 && x < v) v = x;
+    }
+    return v;
+  }
+
+  // The least scale (a power of two) at and above which every nonzero value of the format
+  // times it is a normal fp32 number, whose upper half is then its exact bf16 value.
+  float safe_scale() const {
+    const double v = least();
+    return v == INFINITY ? 0.0f : static_cast<float>(FLT_MIN / v * 2.0);
+  }
+
+  // The least of the scales of `rows` rows (1 without scales).
+  double min_scale(int64_t rows, int64_t k) const {
+    if (!scales) return 1.0;
+    double v = INFINITY;
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t kb = 0; kb < (k + 31) / 32; ++kb) v = std::min<double>(v, scale(r, kb));  // NaN: skipped
+    }
+    return v;
+  }
+};
+
+// Row r of `x` (cols values along K), times its blocks' scales, into bf16 bits or fp32;
+// bf16 output reports whether every rounding was exact.
 template <int kFormat, class Out>
 __attribute__((optimize("O3", "fp-contract=off")))
-inline bool dequantize_row(const uint8_t* c, const float* table, const float* srow, int64_t bc,
-                           Out* o, int64_t cols) {
+inline bool dequantize_row(const Operand& x, int64_t r, int64_t cols, float safe_scale, Out* o) {
   constexpr int kPerCode = kFormat == kPairs ? 2 : 1;
+  const uint8_t* c = x.codes + r * (cols / kPerCode);
+  const int64_t bc = x.scales ? 32 : std::max<int64_t>(cols, 1);
   uint32_t inexact = 0;
-  auto put = [&](int64_t j, float p) {
-    if constexpr (std::is_same_v<Out, uint16_t>) {
-      const uint16_t b = bf16_bits(p);
-      inexact |= (bf16_value(b) != p) & (p == p);
-      o[j] = b;
-    } else {
-      o[j] = p;
-    }
-  };
-  // Blocks hold whole bytes (bc is a multiple of 32 or the row); FP4 writes a byte's pair.
+  // Blocks hold whole bytes (32 values, or the row); FP4 writes a byte's pair.
   for (int64_t j0 = 0; j0 < cols; j0 += bc) {
-    const float s = srow ? srow[j0 / bc] : 1.0f;
+    const float s = x.scales ? x.scale(r, j0 / 32) : 1.0f;
     const int64_t b0 = j0 / kPerCode, b1 = std::min(j0 + bc, cols) / kPerCode;
+    if constexpr (std::is_same_v<Out, uint16_t>) {
+      if (s >= safe_scale) {
+        // A power of two (E8M0) times an FP8/FP4 value that stays normal: exact in bf16, so
+        // its bf16 bits are the fp32 product's upper half. (Infinite products are infinities
+        // in both; NaN scales take the general path, which keeps them NaN.)
+        for (int64_t q = b0; q < b1; ++q) {
+          for (int h = 0; h < kPerCode; ++h) {
+            const float p = x.table[c[q] * kPerCode + h] * s;
+            uint32_t u;
+            std::memcpy(&u, &p, 4);
+            o[q * kPerCode + h] = static_cast<uint16_t>(u >> 16);
+          }
+        }
+        continue;
+      }
+    }
     for (int64_t q = b0; q < b1; ++q) {
-      for (int h = 0; h < kPerCode; ++h) put(q * kPerCode + h, table[c[q] * kPerCode + h] * s);
+      for (int h = 0; h < kPerCode; ++h) {
+        const float p = x.table[c[q] * kPerCode + h] * s;
+        if constexpr (std::is_same_v<Out, uint16_t>) {
+          // BF16 GEMMs take bf16 subnormals as zeros (AVX512-BF16 and AMX): those count as
+          // inexact too, however exactly bf16 holds them.
+          const uint16_t b = bf16_bits(p);
+          const float mag = std::fabs(p);
+          inexact |= ((bf16_value(b) != p) | ((mag < FLT_MIN) & (mag > 0))) & (p == p);
+          o[q * kPerCode + h] = b;
+        } else {
+          o[q * kPerCode + h] = p;
+        }
+      }
     }
   }
   return inexact == 0;
 }
 
-struct Operand {  // rows of FP8/FP4 codes along K, with optional per-row blocks of scales
-  const uint8_t* codes;
-  const float* table;
-  int format;              // Format
-  const float* scales;     // (rows, scale_cols) or null
-  int64_t scale_cols, bc;  // bc: values per scale along K
-};
-
 template <class Out>
 __attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3", "fp-contract=off")))
 bool dequantize_rows(const Operand& x, int64_t cols, Out* out, int64_t r0, int64_t r1) {
-  const int64_t code_cols = x.format == kPairs ? cols / 2 : cols;
-  const int64_t bc = x.scales ? x.bc : std::max<int64_t>(1, cols);
+  const float safe = x.safe_scale();
   bool exact = true;
   for (int64_t r = r0; r < r1; ++r) {
-    const float* srow = x.scales ? x.scales + r * x.scale_cols : nullptr;
-    const uint8_t* c = x.codes + r * code_cols;
-    Out* o = out + r * cols;
-    exact &= x.format == kPairs ? dequantize_row<kPairs>(c, x.table, srow, bc, o, cols)
-                                : dequantize_row<kTable>(c, x.table, srow, bc, o, cols);
+    exact &= x.format == kPairs ? dequantize_row<kPairs>(x, r, cols, safe, out + r * cols)
+                                : dequantize_row<kTable>(x, r, cols, safe, out + r * cols);
   }
   return exact;
 }
 
-// (rows, cols) values of `x` into a new bf16 (bits) or fp32 tensor; whether all were exact.
-template <class Out>
-std::pair<at::Tensor, bool> dequantize(const Operand& x, int64_t rows, int64_t cols) {
-  at::Tensor t = at::empty({rows, cols}, at::dtype(std::is_same_v<Out, float> ? at::kFloat : at::kBFloat16));
-  Out* p = static_cast<Out*>(t.data_ptr());
-  std::atomic<bool> exact{true};
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    if (!dequantize_rows<Out>(x, cols, p, r0, r1)) exact = false;
-  });
-  return {t, exact.load()};
+// (rows, cols) values of `x` into a new fp32 tensor.
+at::Tensor dequantize_float(const Operand& x, int64_t rows, int64_t cols) {
+  at::Tensor t = at::empty({rows, cols}, at::kFloat);
+  float* p = t.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) { dequantize_rows<float>(x, cols, p, r0, r1); });
+  return t;
 }
+
+// Rows [r0, r1) of `rows` split evenly among `n` threads: thread t's share.
+inline std::pair<int64_t, int64_t> share(int64_t rows, int t, int n) {
+  return {rows * t / n, rows * (t + 1) / n};
+}
+
+// The device's kernels here run their phases in one OpenMP region, with barriers between
+// them, rather than one region per phase. With the host thread's team and the executor's both
+// alive, libgomp counts more threads than cores and lets idle team threads spin only briefly
+// before sleeping, so every region start and end costs a wake-up (measured: an MX 512^3 call
+// took 0.69 ms where it took 0.29 ms without the second team).
+// The barriers between phases spin, too: a sleeping team thread took ~0.2 ms to wake here.
+inline int team_size() { return std::max(1, at::get_num_threads()); }
+
+// One use: each of a team's `n` threads arrives once and waits, spinning, for the others.
+struct SpinBarrier {
+  std::atomic<int> arrived{0};
+  void wait(int n) {
+    arrived.fetch_add(1, std::memory_order_acq_rel);
+    for (int64_t spins = 0; arrived.load(std::memory_order_acquire) < n; ++spins) {
+      if (spins < (1 << 16)) {
+        _mm_pause();
+      } else {
+        std::this_thread::yield();  // the team shares its cores with other work: let it run
+      }
+    }
+  }
+};
 
 // MKL's cblas_gemm_bf16bf16f32 (row-major, A not transposed, B given as its rows along K).
 using GemmBf16 = void (*)(int, int, int, int, int, int, float, const void*, int, const void*, int,
@@ -182,63 +265,54 @@ void scale_accumulate_tile(float* out, int64_t n, const float* part, int64_t i0,
   }
 }
 
-}  // namespace
-
-// The blockwise and MX product (M, K) x (K, N) -> fp32 (M, N), launched on the device queue by
-// the Python side (torch_neuronx/kernels/scaled_mm.py) through compiled::launch_kernel, so it
-// runs on the stream's executor and its OpenMP team like any device work. B comes as its N
-// rows along K. MX (`a_scales`/`b_scales` given, E8M0 values as fp32 per `bc` elements):
-// dequantize, exact in bf16 unless among its subnormals, then one BF16 GEMM accumulating in
-// fp32, or fp32 operands and an fp32 GEMM. Blockwise (`rows` (M, K/128) and `cols`
-// (K/128, N) given): per 128-wide block of K the FP8 product (exact in bf16) accumulated in
-// fp32, scaled by its rows' and columns' scales and added to the result, as the hardware
-// does. `gemm`: MKL's BF16 GEMM, or 0 (then fp32 GEMMs).
-extern "C" void neuron_scaled_blocked_mm(
-    int64_t a_codes, int64_t a_table, int64_t a_format, int64_t a_scales, int64_t a_scale_cols,
-    int64_t a_bc, int64_t b_codes, int64_t b_table, int64_t b_format, int64_t b_scales,
-    int64_t b_scale_cols, int64_t b_bc, int64_t m, int64_t n, int64_t k, int64_t gemm,
-    int64_t rows, int64_t cols, int64_t out) {
-  auto ptr = [](int64_t w) { return reinterpret_cast<const void*>(w); };
-  const Operand a{static_cast<const uint8_t*>(ptr(a_codes)), static_cast<const float*>(ptr(a_table)),
-                  static_cast<int>(a_format), static_cast<const float*>(ptr(a_scales)), a_scale_cols,
-                  a_bc};
-  const Operand b{static_cast<const uint8_t*>(ptr(b_codes)), static_cast<const float*>(ptr(b_table)),
-                  static_cast<int>(b_format), static_cast<const float*>(ptr(b_scales)), b_scale_cols,
-                  b_bc};
-  auto* o = reinterpret_cast<float*>(out);
-  const auto mm = reinterpret_cast<GemmBf16>(gemm);
-  at::Tensor result = at::from_blob(o, {m, n}, at::kFloat);
-  if (!rows) {  // MX
-    if (mm) {
-      auto [a16, a_exact] = dequantize<uint16_t>(a, m, k);
-      auto [b16, b_exact] = a_exact ? dequantize<uint16_t>(b, n, k) : std::make_pair(at::Tensor(), false);
-      if (a_exact && b_exact) {
-        mm(kRowMajor, kNoTrans, kTrans, int(m), int(n), int(k), 1.0f, a16.data_ptr(), int(k),
-           b16.data_ptr(), int(k), 0.0f, o, int(n));
-        return;
-      }
+// MX: both operands dequantized to bf16 (exact unless among bf16's subnormals), then one BF16
+// GEMM accumulating in fp32, each thread its share of the rows; false if a value was inexact.
+bool mx_bf16(const Operand& a, const Operand& b, int64_t m, int64_t n, int64_t k, GemmBf16 mm,
+             float* out) {
+  at::Tensor a16 = at::empty({m, k}, at::kBFloat16), b16 = at::empty({n, k}, at::kBFloat16);
+  auto* ap = static_cast<uint16_t*>(a16.data_ptr());
+  auto* bp = static_cast<uint16_t*>(b16.data_ptr());
+  std::atomic<bool> exact{true};
+  SpinBarrier decoded, done;
+#pragma omp parallel num_threads(team_size())
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const auto [a0, a1] = share(m, t, nt);
+    const auto [b0, b1] = share(n, t, nt);
+    if (!(dequantize_rows<uint16_t>(a, k, ap, a0, a1) && dequantize_rows<uint16_t>(b, k, bp, b0, b1))) {
+      exact = false;
     }
-    at::mm_out(result, dequantize<float>(a, m, k).first, dequantize<float>(b, n, k).first.t());
-    return;
+    decoded.wait(nt);
+    if (exact.load() && a1 > a0) {
+      mm(kRowMajor, kNoTrans, kTrans, int(a1 - a0), int(n), int(k), 1.0f, ap + a0 * k, int(k), bp,
+         int(k), 0.0f, out + a0 * n, int(n));
+    }
+    done.wait(nt);
   }
-  // Blockwise: unscaled FP8 values are exact in bf16.
-  const auto* pr = static_cast<const float*>(ptr(rows));
-  const auto* pc = static_cast<const float*>(ptr(cols));
-  at::Tensor a16 = dequantize<uint16_t>(a, m, k).first, b16 = dequantize<uint16_t>(b, n, k).first;
+  return exact.load();
+}
+
+// Blockwise through MKL: per 128-wide K block a GEMM of a 256 x 256 result tile (MKL runs
+// single-threaded inside the parallel region) into a partial product that stays in cache for
+// its rescaling. (Whole-result partials were written to memory and read back once per 128 of
+// K, which bounded the kernel.) `mm` 0: fp32 GEMMs.
+void blockwise_mkl(const Operand& a, const Operand& b, int64_t m, int64_t n, int64_t k, GemmBf16 mm,
+                   const float* rows, const float* cols, float* o) {
+  at::Tensor a16 = at::empty({m, k}, at::kBFloat16), b16 = at::empty({n, k}, at::kBFloat16);
+  auto* a16p = static_cast<uint16_t*>(a16.data_ptr());
+  auto* b16p = static_cast<uint16_t*>(b16.data_ptr());
+  at::parallel_for(0, m + n, 16, [&](int64_t r0, int64_t r1) {
+    if (r0 < m) dequantize_rows<uint16_t>(a, k, a16p, r0, std::min(r1, m));  // unscaled: exact
+    if (r1 > m) dequantize_rows<uint16_t>(b, k, b16p, std::max(r0, m) - m, r1 - m);
+  });
   at::Tensor af, bf;
   if (!mm) {
     af = a16.to(at::kFloat);
     bf = b16.to(at::kFloat);
   }
-  // Result tiles of kTile x kTile, one per thread at a time: per K block a GEMM of the tile
-  // (MKL runs single-threaded inside the parallel region) into a partial product that stays in
-  // cache for its rescaling. Whole-result partials were written to memory and read back once
-  // per 128 of K, which bounded the kernel.
   constexpr int64_t kTile = 256;
   const int64_t kblocks = (k + 127) / 128;
   const int64_t tiles_i = (m + kTile - 1) / kTile, tiles_j = (n + kTile - 1) / kTile;
-  const auto* a16p = static_cast<const uint16_t*>(a16.data_ptr());
-  const auto* b16p = static_cast<const uint16_t*>(b16.data_ptr());
   at::parallel_for(0, tiles_i * tiles_j, 1, [&](int64_t t0, int64_t t1) {
     at::Tensor part = at::empty({kTile * kTile}, at::kFloat);
     float* pp = part.data_ptr<float>();
@@ -255,10 +329,241 @@ extern "C" void neuron_scaled_blocked_mm(
           at::Tensor p = at::from_blob(pp, {mi, nj}, at::kFloat);
           at::mm_out(p, af.narrow(0, i0, mi).narrow(1, k0, kw), bf.narrow(0, j0, nj).narrow(1, k0, kw).t());
         }
-        scale_accumulate_tile(o, n, pp, i0, mi, j0, nj, pr, kblocks, kb, pc);
+        scale_accumulate_tile(o, n, pp, i0, mi, j0, nj, rows, kblocks, kb, cols);
       }
     }
   });
+}
+
+// --- Blockwise on AMX: block scales applied inside the accumulation, as the hardware does ---
+// MKL offers no GEMM that rescales per K block, and one MKL call per 128-wide K block of a
+// result tile ran at a fraction of a full GEMM's rate (2048^3: 3.2x a bf16 matmul). Here a
+// 32 x 32 result block accumulates each K block's product in four AMX tiles, then scales it
+// by its rows' and columns' scales and adds it to the block's fp32 sum, which stays in L1.
+
+// Asks Linux once for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA);
+// oneDNN has usually asked already.
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+constexpr int64_t kBlock = 32;   // result rows and columns per block: 2 x 2 tiles of 16 x 16
+constexpr int64_t kStep = 32;    // K per tile product (16 pairs of bf16)
+
+// The bf16 bits of each code's value (FP8 and FP4 values are exact in bf16).
+std::vector<uint16_t> bf16_table(const Operand& x) {
+  std::vector<uint16_t> t(256 * x.format);
+  for (size_t i = 0; i < t.size(); ++i) {
+    uint32_t u;
+    std::memcpy(&u, &x.table[i], 4);
+    t[i] = static_cast<uint16_t>(u >> 16);
+  }
+  return t;
+}
+
+// Rows [r0, r1) of A (M, K) as bf16 bits, zero-padded to kp columns (and rows >= M all zero).
+__attribute__((optimize("O3")))
+void decode_rows(const Operand& x, const uint16_t* t16, int64_t m, int64_t k, int64_t kp,
+                 uint16_t* out, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    uint16_t* o = out + r * kp;
+    int64_t done = 0;
+    if (r < m) {
+      if (x.format == kPairs) {
+        const uint8_t* c = x.codes + r * (k / 2);
+        for (int64_t q = 0; q < k / 2; ++q) {
+          o[2 * q] = t16[2 * c[q]];
+          o[2 * q + 1] = t16[2 * c[q] + 1];
+        }
+      } else {
+        const uint8_t* c = x.codes + r * k;
+        for (int64_t j = 0; j < k; ++j) o[j] = t16[c[j]];
+      }
+      done = k;
+    }
+    std::fill(o + done, o + kp, uint16_t(0));
+  }
+}
+
+// Panels [p0, p1) of B, given as its rows along K (N, K), in AMX's layout for bf16 pairs: per
+// panel of 16 columns, per pair of k, 16 words (k even in the low half); zero beyond N and K.
+__attribute__((optimize("O3")))
+void pack_panels(const Operand& x, const uint16_t* t16, int64_t n, int64_t k, int64_t kp,
+                 uint32_t* out, int64_t p0, int64_t p1) {
+  const int64_t pairs = kp / 2;
+  for (int64_t p = p0; p < p1; ++p) {
+    uint32_t* panel = out + p * pairs * 16;
+    for (int64_t c = 0; c < 16; ++c) {
+      const int64_t col = p * 16 + c;
+      int64_t q = 0;
+      if (col < n && x.format == kPairs) {  // a byte holds a pair
+        const uint8_t* codes = x.codes + col * (k / 2);
+        for (; q < k / 2; ++q) {
+          panel[q * 16 + c] = t16[2 * codes[q]] | (uint32_t(t16[2 * codes[q] + 1]) << 16);
+        }
+      } else if (col < n) {
+        const uint8_t* codes = x.codes + col * k;
+        for (; q < k / 2; ++q) {
+          panel[q * 16 + c] = t16[codes[2 * q]] | (uint32_t(t16[codes[2 * q + 1]]) << 16);
+        }
+        if (k % 2) panel[q++ * 16 + c] = t16[codes[k - 1]];
+      }
+      for (; q < pairs; ++q) panel[q * 16 + c] = 0;
+    }
+  }
+}
+
+__attribute__((target("amx-tile,amx-bf16,avx512f"), optimize("O3", "fp-contract=off")))
+void blockwise_amx_block(const uint16_t* a16, int64_t kp, const uint32_t* bpack, int64_t i0,
+                         int64_t j0, const float* rows, const float* cols, int64_t kblocks,
+                         int64_t m, int64_t n, float* out) {
+  alignas(64) float part[kBlock * kBlock];
+  alignas(64) float acc[kBlock * kBlock] = {};
+  const int64_t pairs = kp / 2;
+  const uint16_t* a0 = a16 + i0 * kp;
+  const uint16_t* a1 = a0 + 16 * kp;
+  const uint32_t* b0 = bpack + (j0 / 16) * pairs * 16;
+  const uint32_t* b1 = b0 + pairs * 16;
+  const int64_t mi = std::min(kBlock, m - i0), nj = std::min(kBlock, n - j0);
+  for (int64_t kb = 0; kb < kblocks; ++kb) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const int64_t kend = std::min<int64_t>(kb * 128 + 128, kp);
+    for (int64_t k0 = kb * 128; k0 < kend; k0 += kStep) {
+      _tile_loadd(4, a0 + k0, kp * 2);
+      _tile_loadd(5, a1 + k0, kp * 2);
+      _tile_loadd(6, b0 + (k0 / 2) * 16, 64);
+      _tile_loadd(7, b1 + (k0 / 2) * 16, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, part, kBlock * 4);
+    _tile_stored(1, part + 16, kBlock * 4);
+    _tile_stored(2, part + 16 * kBlock, kBlock * 4);
+    _tile_stored(3, part + 16 * kBlock + 16, kBlock * 4);
+    // The same roundings as scale_accumulate_tile: (part * row scale) * column scale, added.
+    const float* c = cols + kb * n + j0;
+    for (int64_t i = 0; i < mi; ++i) {
+      const float r = rows[(i0 + i) * kblocks + kb];
+      float* o = acc + i * kBlock;
+      const float* pp = part + i * kBlock;
+      for (int64_t j = 0; j < nj; ++j) o[j] = o[j] + (pp[j] * r) * c[j];
+    }
+  }
+  for (int64_t i = 0; i < mi; ++i) std::copy(acc + i * kBlock, acc + i * kBlock + nj, out + (i0 + i) * n + j0);
+}
+
+__attribute__((target("amx-tile,amx-bf16")))
+void amx_blocks(const uint16_t* a16, int64_t kp, const uint32_t* bpack,
+                const std::vector<std::pair<int64_t, int64_t>>& blocks, int64_t t0, int64_t t1,
+                const float* rows, const float* cols, int64_t kblocks, int64_t m, int64_t n,
+                float* out) {
+  if (t0 >= t1) return;
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+  for (int64_t t = t0; t < t1; ++t) {
+    blockwise_amx_block(a16, kp, bpack, blocks[t].first, blocks[t].second, rows, cols, kblocks,
+                        m, n, out);
+  }
+  _tile_release();
+}
+
+// rows (M, K/128), cols (K/128, N): the fp32 block scales, as in blockwise_mkl.
+void blockwise_amx(const Operand& a, const Operand& b, int64_t m, int64_t n, int64_t k,
+                   const float* rows, const float* cols, float* out) {
+  const int64_t mp = (m + kBlock - 1) / kBlock * kBlock, np = (n + kBlock - 1) / kBlock * kBlock;
+  const int64_t kp = (k + kStep - 1) / kStep * kStep, kblocks = (k + 127) / 128;
+  at::Tensor a16 = at::empty({mp, kp}, at::kBFloat16);
+  at::Tensor bpack = at::empty({np * kp / 2}, at::kInt);
+  auto* ap = static_cast<uint16_t*>(a16.data_ptr());
+  auto* bp = reinterpret_cast<uint32_t*>(bpack.data_ptr());
+  const std::vector<uint16_t> ta = bf16_table(a), tb = bf16_table(b);
+  // Blocks in an order that keeps a strip of B (about 1 MiB) in a core's L2 while the rows of
+  // A pass by: strips of columns outermost, then rows, then the strip's columns.
+  const int64_t strip = std::clamp<int64_t>((int64_t(1) << 20) / (kp * 2) / kBlock * kBlock, kBlock, np);
+  std::vector<std::pair<int64_t, int64_t>> blocks;
+  for (int64_t s0 = 0; s0 < np; s0 += strip)
+    for (int64_t i0 = 0; i0 < mp; i0 += kBlock)
+      for (int64_t j0 = s0; j0 < std::min(s0 + strip, np); j0 += kBlock) blocks.emplace_back(i0, j0);
+  const int64_t nblocks = static_cast<int64_t>(blocks.size());
+  SpinBarrier decoded, done;
+#pragma omp parallel num_threads(team_size())
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const auto [r0, r1] = share(mp, t, nt);
+    decode_rows(a, ta.data(), m, k, kp, ap, r0, r1);
+    const auto [p0, p1] = share(np / 16, t, nt);
+    pack_panels(b, tb.data(), n, k, kp, bp, p0, p1);
+    decoded.wait(nt);
+    const auto [t0, t1] = share(nblocks, t, nt);
+    amx_blocks(ap, kp, bp, blocks, t0, t1, rows, cols, kblocks, m, n, out);
+    done.wait(nt);
+  }
+}
+
+}  // namespace
+
+// The blockwise and MX product (M, K) x (K, N) -> fp32 (M, N), launched on the device queue by
+// the Python side (torch_neuronx/kernels/scaled_mm.py) through compiled::launch_kernel, so it
+// runs on the stream's executor and its OpenMP team like any device work. B comes as its N
+// rows along K. MX (`a_scales`/`b_scales` given: E8M0 codes, swizzled as cuBLAS takes them,
+// with their value table): dequantize, exact in bf16 unless among its subnormals, then one
+// BF16 GEMM accumulating in fp32, or fp32 operands and an fp32 GEMM. Blockwise (`rows`
+// (M, K/128) and `cols` (K/128, N) given): per 128-wide block of K the FP8 product (exact in
+// bf16) accumulated in fp32, scaled by its rows' and columns' scales and added to the result,
+// as the hardware does. `gemm`: MKL's BF16 GEMM, or 0 (then fp32 GEMMs); `amx`: the host
+// has AMX tiles.
+extern "C" void neuron_scaled_blocked_mm(
+    int64_t a_codes, int64_t a_table, int64_t a_format, int64_t a_scales, int64_t b_codes,
+    int64_t b_table, int64_t b_format, int64_t b_scales, int64_t scale_table, int64_t m,
+    int64_t n, int64_t k, int64_t gemm, int64_t amx, int64_t rows, int64_t cols, int64_t out) {
+  auto ptr = [](int64_t w) { return reinterpret_cast<const void*>(w); };
+  const auto* st = static_cast<const float*>(ptr(scale_table));
+  const int64_t scale_tiles = ((k + 31) / 32 + 3) / 4;
+  const Operand a{static_cast<const uint8_t*>(ptr(a_codes)), static_cast<const float*>(ptr(a_table)),
+                  static_cast<int>(a_format), static_cast<const uint8_t*>(ptr(a_scales)), st,
+                  scale_tiles};
+  const Operand b{static_cast<const uint8_t*>(ptr(b_codes)), static_cast<const float*>(ptr(b_table)),
+                  static_cast<int>(b_format), static_cast<const uint8_t*>(ptr(b_scales)), st,
+                  scale_tiles};
+  auto* o = reinterpret_cast<float*>(out);
+  const auto mm = reinterpret_cast<GemmBf16>(gemm);
+  if (!rows) {  // MX
+    // BF16 GEMMs flush subnormal products and sums to zero, where an fp32 GEMM keeps them.
+    // All values are multiples of their operand's least nonzero magnitude times its least
+    // scale, so every product and sum is a multiple of the product of the two: when that is a
+    // normal number none of them can be subnormal.
+    const bool normal = a.least() * a.min_scale(m, k) * b.least() * b.min_scale(n, k) >= FLT_MIN;
+    if (mm && normal && mx_bf16(a, b, m, n, k, mm, o)) return;
+    at::Tensor result = at::from_blob(o, {m, n}, at::kFloat);
+    at::mm_out(result, dequantize_float(a, m, k), dequantize_float(b, n, k).t());
+    return;
+  }
+  const auto* pr = static_cast<const float*>(ptr(rows));
+  const auto* pc = static_cast<const float*>(ptr(cols));
+  if (amx && amx_permitted()) {
+    blockwise_amx(a, b, m, n, k, pr, pc, o);
+  } else {
+    blockwise_mkl(a, b, m, n, k, mm, pr, pc, o);
+  }
 }
 
 int64_t scaled_blocked_mm_entry() { return reinterpret_cast<int64_t>(&neuron_scaled_blocked_mm); }

@@ -577,24 +577,81 @@ def test_tensorwise_reference_order_kernel_handles_ragged_tiles_and_specials():
     assert torch.equal(got.nan_to_num(), want.nan_to_num())
 
 
-@pytest.mark.parametrize("bf16_gemm", [True, False])
-def test_blockwise_and_mx_with_and_without_the_bf16_gemm(bf16_gemm, monkeypatch):
-    # Hosts with BF16 instructions multiply the FP8 values (exact in bf16) with MKL's
-    # bf16 x bf16 -> fp32 GEMM; others in fp32. Both must meet the one-rounding bound.
+@pytest.mark.parametrize("kernel", ["amx", "bf16 gemm", "fp32"])
+def test_blockwise_and_mx_on_each_host_kernel(kernel, monkeypatch):
+    # AMX hosts accumulate blockwise products in AMX tiles, rescaling per K block; hosts with
+    # BF16 instructions multiply the FP8 values (exact in bf16) with MKL's bf16 x bf16 -> fp32
+    # GEMM; others in fp32. Each must meet the one-rounding bound, on ragged shapes too.
     from torch_neuronx.kernels import scaled_mm as impl
-    if bf16_gemm and not impl._BF16_GEMM:
+    if kernel == "amx" and not impl._AMX:
+        pytest.skip("this host has no AMX tiles")
+    if kernel == "bf16 gemm" and not impl._BF16_GEMM:
         pytest.skip("this host has no BF16 GEMM")
-    if not bf16_gemm:
+    if kernel != "amx":
+        monkeypatch.setattr(impl, "_AMX", 0)
+    if kernel == "fp32":
         monkeypatch.setattr(impl, "_BF16_GEMM", 0)
     a, b = _operands(M, K, N)
     sa, sb, ra, rb = _v1_scales("1x128", "128x128", seed=5)
     got = torch._scaled_mm(n(a), n(b), n(sa), n(sb), out_dtype=torch.float32)
     _check_one_rounding(got, a.double() * ra, b.double() * rb)
+    for m, k, nn in ((33, 256, 17), (1, 384, 1), (70, 176, 50)):   # blocks, tiles, K not filled
+        a, b = _operands(m, k, nn, seed=m)
+        kb = (k + 127) // 128
+        g = torch.Generator().manual_seed(k)
+        sa = torch.rand(kb, m, generator=g).t() + 0.5
+        sb = torch.rand(kb, nn, generator=g) + 0.5
+        got = torch._scaled_mm(n(a), n(b), n(sa), n(sb), out_dtype=torch.float32)
+        a64 = a.double() * sa.double().repeat_interleave(128, 1)[:, :k]
+        b64 = b.double() * sb.double().repeat_interleave(128, 0)[:k]
+        _check_one_rounding(got, a64, b64)
     x, w = torch.randn(96, 256) * 3, torch.randn(80, 256) * 3
     xa, xs, x64 = _mx_reference(x, "mxfp8")
     wa, ws, w64 = _mx_reference(w, "mxfp8")
     got = torch._scaled_mm(n(xa), n(wa).t(), n(to_blocked(xs)), n(to_blocked(ws)), out_dtype=torch.float32)
     _check_one_rounding(got, x64, w64.t())
+
+
+@pytest.mark.parametrize("code", [1, 4, 30, 100, 254])
+def test_mx_scales_at_the_ends_of_e8m0(code):
+    # Tiny scales put dequantized values among bf16's subnormals, or their products among
+    # fp32's, which BF16 GEMMs flush to zero (the kernel then multiplies in fp32); huge ones
+    # overflow fp32, where dequantized values live, so that row's results are not finite.
+    # Other rows are unaffected.
+    g = torch.Generator().manual_seed(code)
+    x, w = torch.randn(64, 64, generator=g), torch.randn(48, 64, generator=g)
+    xa, xs, _ = _mx_reference(x, "mxfp8")
+    wa, ws, w64 = _mx_reference(w, "mxfp8")
+    xs = xs.view(torch.uint8).clone()
+    xs[5] = code                      # one row's scales
+    xs = xs.view(torch.float8_e8m0fnu)
+    x64 = xa.double() * xs.double().repeat_interleave(32, 1)
+    got = torch._scaled_mm(n(xa), n(wa).t(), n(to_blocked(xs)), n(to_blocked(ws)),
+                           out_dtype=torch.float32).cpu().double()
+    exact, worst = x64 @ w64.t(), x64.abs() @ w64.t().abs()
+    rows = torch.arange(64) != 5
+    if code == 254:
+        assert not got[5].isfinite().any()
+    else:
+        rows[5] = True
+        assert (exact[5] != 0).all()
+    bound = 2.0 ** -23 * exact.abs() + 2.0 ** -20 * worst + 2.0 ** -149 * 64
+    assert ((got - exact).abs()[rows] <= bound[rows]).all()
+
+
+def test_mx_products_among_fp32_subnormals_are_kept():
+    # Normal dequantized values whose products are fp32 subnormals (2^-126 * 0.25): a BF16
+    # GEMM would flush each to zero; the exact fp32 sum of 64 of them is 2^-122.
+    e8 = torch.float8_e8m0fnu
+    a = torch.ones(32, 64).to(torch.float8_e4m3fn)
+    b = torch.full((16, 64), 0.25).to(torch.float8_e4m3fn)
+    sa = torch.full((32, 2), 127, dtype=torch.uint8)
+    sa[5] = 1                                                     # 2^-126
+    sb = torch.full((16, 2), 127, dtype=torch.uint8)
+    got = torch._scaled_mm(n(a), n(b).t(), n(to_blocked(sa.view(e8))), n(to_blocked(sb.view(e8))),
+                           out_dtype=torch.float32).cpu()
+    assert torch.equal(got[5], torch.full((16,), 2.0 ** -122))
+    assert torch.equal(got[0], torch.full((16,), 16.0))
 
 
 def test_formats_cpu_refuses_raise_cpus_error_with_the_callers_shapes():

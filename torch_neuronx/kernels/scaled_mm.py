@@ -186,6 +186,8 @@ def _bf16_gemm_address():
 
 
 _BF16_GEMM = _bf16_gemm_address()
+# Blockwise products on AMX tiles (scaled_mm.cpp: block scales applied inside the accumulation)
+_AMX = int(torch.cpu._is_amx_tile_supported())
 _BLOCKED_MM = _C._scaled_blocked_mm_entry()
 _CODE_TABLES = {}
 
@@ -209,32 +211,23 @@ def _codes(t):
 
 def _launch_blocked_mm(dev, a, bt, k, sa=None, sb=None, rows=None, cols=None):
     """(M, K) ``a`` times ``bt``, B's rows along K, -> a new fp32 (M, N) device tensor.
-    MX: ``sa`` (M, K/32) and ``sb`` (N, K/32) E8M0 scales as fp32; blockwise: ``rows``
-    (M, K/128) and ``cols`` (K/128, N) fp32 scales."""
+    MX: ``sa`` and ``sb`` E8M0 scales per 32 of K, swizzled as cuBLAS takes them (the kernel
+    reads them in place); blockwise: ``rows`` (M, K/128) and ``cols`` (K/128, N) fp32 scales."""
     m, n = a.size(0), bt.size(0)
     out = torch.empty(m, n, device=dev)
-    ac, at_, ap = _codes(a)
-    bc, bt_, bp = _codes(bt)
     args, kinds = [], ""
-
-    def scales(s):
-        nonlocal kinds
+    for x, s in ((a, sa), (bt, sb)):
+        codes, table, fmt = _codes(x)
+        args.extend((codes, table.data_ptr(), fmt))
+        kinds += "rii"
         if s is None:
-            args.extend((0, 0, 1))
-            kinds += "iii"
+            args.append(0)
+            kinds += "i"
         else:
-            s = s.float().contiguous()
-            args.extend((s, s.size(1), 32))
-            kinds += "rii"
-
-    args.extend((ac, at_.data_ptr(), ap))
-    kinds += "rii"
-    scales(sa)
-    args.extend((bc, bt_.data_ptr(), bp))
-    kinds += "rii"
-    scales(sb)
-    args.extend((m, n, k, _BF16_GEMM))
-    kinds += "iiii"
+            args.append(s.view(torch.uint8))
+            kinds += "r"
+    args.extend((_code_table(_E8M0).data_ptr(), m, n, k, _BF16_GEMM, _AMX))
+    kinds += "iiiiii"
     for s in (rows, cols):
         if s is None:
             args.append(0)
@@ -444,8 +437,7 @@ def _blocked_unrecorded(dev, a, b, scale_a, scale_b, ra, rb, bias, out_dtype, v2
     if m == 0 or n == 0 or k == 0:
         out = torch.zeros(m, n, device=dev)
     elif ra == _B1x32:
-        out = _launch_blocked_mm(dev, a, b.t(), k, sa=_unswizzle(sa, m, _cdiv(k, 32)),
-                                 sb=_unswizzle(sb, n, _cdiv(k, 32)))
+        out = _launch_blocked_mm(dev, a, b.t(), k, sa=sa, sb=sb)
     else:
         if v2 and ra == _B128x128:   # (round_up(K/128, 4), M/128), K-block major
             sa = sa[:kb].t()
