@@ -24,6 +24,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <type_traits>
 #include <thread>
 #include <utility>
@@ -100,6 +101,33 @@ inline float bf16_value(uint16_t b) {
   std::memcpy(&v, &u, 4);
   return v;
 }
+
+// Where the product goes: fp32, or rounded once to nearest even into bf16 or fp16 (as
+// `.to(dtype)` rounds), so that no second pass over the result is queued.
+enum OutKind : int { kOutFloat = 0, kOutBFloat16 = 1, kOutHalf = 2 };
+
+struct Output {
+  void* data;
+  int kind;  // OutKind
+  int64_t n;
+
+  void put_row(int64_t i, int64_t j0, const float* v, int64_t count) const {
+    switch (kind) {
+      case kOutBFloat16: {
+        uint16_t* o = static_cast<uint16_t*>(data) + i * n + j0;
+        for (int64_t j = 0; j < count; ++j) o[j] = bf16_bits(v[j]);
+        break;
+      }
+      case kOutHalf: {
+        c10::Half* o = static_cast<c10::Half*>(data) + i * n + j0;
+        for (int64_t j = 0; j < count; ++j) o[j] = c10::Half(v[j]);
+        break;
+      }
+      default:
+        std::copy(v, v + count, static_cast<float*>(data) + i * n + j0);
+    }
+  }
+};
 
 // How a byte holds its values: looked up in a table of one value (FP8) or of a pair (FP4, low
 // nibble first). (Decoding E4M3/E5M2 arithmetically instead measured 2x slower: 5.6 against
@@ -217,17 +245,24 @@ at::Tensor dequantize_float(const Operand& x, int64_t rows, int64_t cols) {
   return t;
 }
 
-// Rows [r0, r1) of `rows` split evenly among `n` threads: thread t's share.
-inline std::pair<int64_t, int64_t> share(int64_t rows, int t, int n) {
-  return {rows * t / n, rows * (t + 1) / n};
-}
+// Hands out [0, total) in chunks to whichever thread of a team asks next: a thread that starts
+// late (its core busy with the host's Python) takes fewer, rather than holding the others up.
+struct WorkQueue {
+  std::atomic<int64_t> next{0};
+  template <class F>
+  void run(int64_t total, int64_t chunk, F&& f) {
+    for (int64_t s; (s = next.fetch_add(chunk, std::memory_order_relaxed)) < total;) {
+      f(s, std::min(s + chunk, total));
+    }
+  }
+};
 
-// The device's kernels here run their phases in one OpenMP region, with barriers between
-// them, rather than one region per phase. With the host thread's team and the executor's both
-// alive, libgomp counts more threads than cores and lets idle team threads spin only briefly
-// before sleeping, so every region start and end costs a wake-up (measured: an MX 512^3 call
-// took 0.69 ms where it took 0.29 ms without the second team).
-// The barriers between phases spin, too: a sleeping team thread took ~0.2 ms to wake here.
+// The kernels here run their phases (decoding, products) in one OpenMP region, with spinning
+// barriers between them. With the host thread's OpenMP team and the executor's both alive,
+// libgomp counts more threads than cores and lets a waiting team thread spin only briefly
+// before it sleeps, and waking it took ~0.2 ms here: an MX 512^3 call with a region per
+// phase took 0.69 ms where it took 0.29 ms without the host's team; one region with OpenMP's
+// barrier 0.51 ms; with these barriers 0.31 ms.
 inline int team_size() { return std::max(1, at::get_num_threads()); }
 
 // One use: each of a team's `n` threads arrives once and waits, spinning, for the others.
@@ -235,11 +270,14 @@ struct SpinBarrier {
   std::atomic<int> arrived{0};
   void wait(int n) {
     arrived.fetch_add(1, std::memory_order_acq_rel);
-    for (int64_t spins = 0; arrived.load(std::memory_order_acquire) < n; ++spins) {
-      if (spins < (1 << 16)) {
+    // Spins a few microseconds, then yields while it waits: when the team shares its cores
+    // with other threads (the host's Python), the thread awaited may be the one preempted,
+    // and a spinning waiter kept it off its core for milliseconds.
+    for (int spins = 0; arrived.load(std::memory_order_acquire) < n; ++spins) {
+      if (spins < 256) {
         _mm_pause();
       } else {
-        std::this_thread::yield();  // the team shares its cores with other work: let it run
+        std::this_thread::yield();
       }
     }
   }
@@ -268,24 +306,36 @@ void scale_accumulate_tile(float* out, int64_t n, const float* part, int64_t i0,
 // MX: both operands dequantized to bf16 (exact unless among bf16's subnormals), then one BF16
 // GEMM accumulating in fp32, each thread its share of the rows; false if a value was inexact.
 bool mx_bf16(const Operand& a, const Operand& b, int64_t m, int64_t n, int64_t k, GemmBf16 mm,
-             float* out) {
+             const Output& out) {
+  at::Tensor wide;
+  float* f = static_cast<float*>(out.data);
+  if (out.kind != kOutFloat) {
+    wide = at::empty({m, n}, at::kFloat);
+    f = wide.data_ptr<float>();
+  }
   at::Tensor a16 = at::empty({m, k}, at::kBFloat16), b16 = at::empty({n, k}, at::kBFloat16);
   auto* ap = static_cast<uint16_t*>(a16.data_ptr());
   auto* bp = static_cast<uint16_t*>(b16.data_ptr());
   std::atomic<bool> exact{true};
   SpinBarrier decoded, done;
+  WorkQueue decode, multiply;
 #pragma omp parallel num_threads(team_size())
   {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const auto [a0, a1] = share(m, t, nt);
-    const auto [b0, b1] = share(n, t, nt);
-    if (!(dequantize_rows<uint16_t>(a, k, ap, a0, a1) && dequantize_rows<uint16_t>(b, k, bp, b0, b1))) {
-      exact = false;
-    }
+    const int nt = omp_get_num_threads();
+    decode.run(m + n, 32, [&](int64_t r0, int64_t r1) {  // rows of A, then of B
+      const bool ok = (r0 >= m || dequantize_rows<uint16_t>(a, k, ap, r0, std::min(r1, m))) &&
+                      (r1 <= m || dequantize_rows<uint16_t>(b, k, bp, std::max(r0, m) - m, r1 - m));
+      if (!ok) exact = false;
+    });
     decoded.wait(nt);
-    if (exact.load() && a1 > a0) {
-      mm(kRowMajor, kNoTrans, kTrans, int(a1 - a0), int(n), int(k), 1.0f, ap + a0 * k, int(k), bp,
-         int(k), 0.0f, out + a0 * n, int(n));
+    if (exact.load()) {
+      multiply.run(m, 128, [&](int64_t r0, int64_t r1) {
+        mm(kRowMajor, kNoTrans, kTrans, int(r1 - r0), int(n), int(k), 1.0f, ap + r0 * k, int(k), bp,
+           int(k), 0.0f, f + r0 * n, int(n));
+        if (out.kind != kOutFloat) {
+          for (int64_t i = r0; i < r1; ++i) out.put_row(i, 0, f + i * n, n);
+        }
+      });
     }
     done.wait(nt);
   }
@@ -335,11 +385,15 @@ void blockwise_mkl(const Operand& a, const Operand& b, int64_t m, int64_t n, int
   });
 }
 
-// --- Blockwise on AMX: block scales applied inside the accumulation, as the hardware does ---
+// --- On AMX tiles: blockwise with its block scales applied inside the accumulation, as the
+// hardware does, and MX ---
 // MKL offers no GEMM that rescales per K block, and one MKL call per 128-wide K block of a
 // result tile ran at a fraction of a full GEMM's rate (2048^3: 3.2x a bf16 matmul). Here a
 // 32 x 32 result block accumulates each K block's product in four AMX tiles, then scales it
 // by its rows' and columns' scales and adds it to the block's fp32 sum, which stays in L1.
+// MX (operands scaled as they are decoded) is one block of all of K: inside the kernel's one
+// OpenMP region it ran faster than MKL's single-threaded GEMM per share of rows (512^3:
+// 0.36 against 0.49 ms, 2048^3: 13.0 against 16.4 ms).
 
 // Asks Linux once for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA);
 // oneDNN has usually asked already.
@@ -371,62 +425,82 @@ std::vector<uint16_t> bf16_table(const Operand& x) {
   return t;
 }
 
+// Writes row r of an operand's values (K of them) as bf16 bits; false if one was inexact.
+using RowDecoder = std::function<bool(int64_t, uint16_t*)>;
+
+// Unscaled FP8/FP4 values (blockwise): looked up in `t16`, exact.
+RowDecoder table_rows(const Operand& x, const uint16_t* t16, int64_t k) {
+  return [&x, t16, k](int64_t r, uint16_t* o) {
+    if (x.format == kPairs) {
+      const uint8_t* c = x.codes + r * (k / 2);
+      for (int64_t q = 0; q < k / 2; ++q) {
+        o[2 * q] = t16[2 * c[q]];
+        o[2 * q + 1] = t16[2 * c[q] + 1];
+      }
+    } else {
+      const uint8_t* c = x.codes + r * k;
+      for (int64_t j = 0; j < k; ++j) o[j] = t16[c[j]];
+    }
+    return true;
+  };
+}
+
+// MX values, times their E8M0 scales.
+RowDecoder scaled_rows(const Operand& x, int64_t k) {
+  const float safe = x.safe_scale();
+  return [&x, k, safe](int64_t r, uint16_t* o) {
+    return x.format == kPairs ? dequantize_row<kPairs>(x, r, k, safe, o)
+                              : dequantize_row<kTable>(x, r, k, safe, o);
+  };
+}
+
 // Rows [r0, r1) of A (M, K) as bf16 bits, zero-padded to kp columns (and rows >= M all zero).
-__attribute__((optimize("O3")))
-void decode_rows(const Operand& x, const uint16_t* t16, int64_t m, int64_t k, int64_t kp,
-                 uint16_t* out, int64_t r0, int64_t r1) {
+bool decode_rows(const RowDecoder& decode, int64_t m, int64_t k, int64_t kp, uint16_t* out,
+                 int64_t r0, int64_t r1) {
+  bool exact = true;
   for (int64_t r = r0; r < r1; ++r) {
     uint16_t* o = out + r * kp;
-    int64_t done = 0;
-    if (r < m) {
-      if (x.format == kPairs) {
-        const uint8_t* c = x.codes + r * (k / 2);
-        for (int64_t q = 0; q < k / 2; ++q) {
-          o[2 * q] = t16[2 * c[q]];
-          o[2 * q + 1] = t16[2 * c[q] + 1];
-        }
-      } else {
-        const uint8_t* c = x.codes + r * k;
-        for (int64_t j = 0; j < k; ++j) o[j] = t16[c[j]];
-      }
-      done = k;
-    }
-    std::fill(o + done, o + kp, uint16_t(0));
+    if (r < m) exact &= decode(r, o);
+    std::fill(o + (r < m ? k : 0), o + kp, uint16_t(0));
   }
+  return exact;
 }
 
 // Panels [p0, p1) of B, given as its rows along K (N, K), in AMX's layout for bf16 pairs: per
 // panel of 16 columns, per pair of k, 16 words (k even in the low half); zero beyond N and K.
+// A panel's 16 rows are decoded first, then transposed as 32-bit words (pairs).
 __attribute__((optimize("O3")))
-void pack_panels(const Operand& x, const uint16_t* t16, int64_t n, int64_t k, int64_t kp,
-                 uint32_t* out, int64_t p0, int64_t p1) {
+bool pack_panels(const RowDecoder& decode, int64_t n, int64_t k, int64_t kp, uint32_t* out,
+                 int64_t p0, int64_t p1) {
   const int64_t pairs = kp / 2;
+  std::vector<uint32_t> rows(16 * pairs, 0);  // zero beyond k and n
+  bool exact = true;
   for (int64_t p = p0; p < p1; ++p) {
-    uint32_t* panel = out + p * pairs * 16;
     for (int64_t c = 0; c < 16; ++c) {
-      const int64_t col = p * 16 + c;
-      int64_t q = 0;
-      if (col < n && x.format == kPairs) {  // a byte holds a pair
-        const uint8_t* codes = x.codes + col * (k / 2);
-        for (; q < k / 2; ++q) {
-          panel[q * 16 + c] = t16[2 * codes[q]] | (uint32_t(t16[2 * codes[q] + 1]) << 16);
-        }
-      } else if (col < n) {
-        const uint8_t* codes = x.codes + col * k;
-        for (; q < k / 2; ++q) {
-          panel[q * 16 + c] = t16[codes[2 * q]] | (uint32_t(t16[codes[2 * q + 1]]) << 16);
-        }
-        if (k % 2) panel[q++ * 16 + c] = t16[codes[k - 1]];
+      uint16_t* row = reinterpret_cast<uint16_t*>(rows.data() + c * pairs);
+      if (p * 16 + c < n) {
+        exact &= decode(p * 16 + c, row);
+      } else {
+        std::fill(row, row + kp, uint16_t(0));
       }
-      for (; q < pairs; ++q) panel[q * 16 + c] = 0;
+    }
+    uint32_t* panel = out + p * pairs * 16;
+    for (int64_t q0 = 0; q0 < pairs; q0 += 64) {  // 64 pairs of 16 rows: 4 KiB in, 4 KiB out
+      const int64_t q1 = std::min(q0 + 64, pairs);
+      for (int64_t q = q0; q < q1; ++q) {
+        for (int64_t c = 0; c < 16; ++c) panel[q * 16 + c] = rows[c * pairs + q];
+      }
     }
   }
+  return exact;
 }
 
 __attribute__((target("amx-tile,amx-bf16,avx512f"), optimize("O3", "fp-contract=off")))
-void blockwise_amx_block(const uint16_t* a16, int64_t kp, const uint32_t* bpack, int64_t i0,
+void amx_block(const uint16_t* a16, int64_t kp, const uint32_t* bpack, int64_t i0,
                          int64_t j0, const float* rows, const float* cols, int64_t kblocks,
-                         int64_t m, int64_t n, float* out) {
+                         int64_t m, int64_t n, const Output& out) {
+  // Without scales (MX, its operands scaled already): one block of all of K.
+  const int64_t kblock = rows ? 128 : kp;
   alignas(64) float part[kBlock * kBlock];
   alignas(64) float acc[kBlock * kBlock] = {};
   const int64_t pairs = kp / 2;
@@ -440,8 +514,8 @@ void blockwise_amx_block(const uint16_t* a16, int64_t kp, const uint32_t* bpack,
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    const int64_t kend = std::min<int64_t>(kb * 128 + 128, kp);
-    for (int64_t k0 = kb * 128; k0 < kend; k0 += kStep) {
+    const int64_t kend = std::min<int64_t>((kb + 1) * kblock, kp);
+    for (int64_t k0 = kb * kblock; k0 < kend; k0 += kStep) {
       _tile_loadd(4, a0 + k0, kp * 2);
       _tile_loadd(5, a1 + k0, kp * 2);
       _tile_loadd(6, b0 + (k0 / 2) * 16, 64);
@@ -455,6 +529,10 @@ void blockwise_amx_block(const uint16_t* a16, int64_t kp, const uint32_t* bpack,
     _tile_stored(1, part + 16, kBlock * 4);
     _tile_stored(2, part + 16 * kBlock, kBlock * 4);
     _tile_stored(3, part + 16 * kBlock + 16, kBlock * 4);
+    if (!rows) {
+      for (int64_t i = 0; i < mi; ++i) out.put_row(i0 + i, j0, part + i * kBlock, nj);
+      return;
+    }
     // The same roundings as scale_accumulate_tile: (part * row scale) * column scale, added.
     const float* c = cols + kb * n + j0;
     for (int64_t i = 0; i < mi; ++i) {
@@ -464,14 +542,14 @@ void blockwise_amx_block(const uint16_t* a16, int64_t kp, const uint32_t* bpack,
       for (int64_t j = 0; j < nj; ++j) o[j] = o[j] + (pp[j] * r) * c[j];
     }
   }
-  for (int64_t i = 0; i < mi; ++i) std::copy(acc + i * kBlock, acc + i * kBlock + nj, out + (i0 + i) * n + j0);
+  for (int64_t i = 0; i < mi; ++i) out.put_row(i0 + i, j0, acc + i * kBlock, nj);
 }
 
 __attribute__((target("amx-tile,amx-bf16")))
 void amx_blocks(const uint16_t* a16, int64_t kp, const uint32_t* bpack,
                 const std::vector<std::pair<int64_t, int64_t>>& blocks, int64_t t0, int64_t t1,
                 const float* rows, const float* cols, int64_t kblocks, int64_t m, int64_t n,
-                float* out) {
+                const Output& out) {
   if (t0 >= t1) return;
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
@@ -480,22 +558,24 @@ void amx_blocks(const uint16_t* a16, int64_t kp, const uint32_t* bpack,
   }
   _tile_loadconfig(&cfg);
   for (int64_t t = t0; t < t1; ++t) {
-    blockwise_amx_block(a16, kp, bpack, blocks[t].first, blocks[t].second, rows, cols, kblocks,
+    amx_block(a16, kp, bpack, blocks[t].first, blocks[t].second, rows, cols, kblocks,
                         m, n, out);
   }
   _tile_release();
 }
 
-// rows (M, K/128), cols (K/128, N): the fp32 block scales, as in blockwise_mkl.
-void blockwise_amx(const Operand& a, const Operand& b, int64_t m, int64_t n, int64_t k,
-                   const float* rows, const float* cols, float* out) {
+// A times B's rows (N, K) on AMX tiles. Blockwise: `rows` (M, K/128) and `cols` (K/128, N)
+// fp32 block scales, as in blockwise_mkl; MX: both null, the decoders scaling. False (and
+// `out` unwritten) if a decoded value was inexact in bf16.
+bool amx_product(const RowDecoder& da, const RowDecoder& db, int64_t m, int64_t n, int64_t k,
+                 const float* rows, const float* cols, const Output& out) {
   const int64_t mp = (m + kBlock - 1) / kBlock * kBlock, np = (n + kBlock - 1) / kBlock * kBlock;
-  const int64_t kp = (k + kStep - 1) / kStep * kStep, kblocks = (k + 127) / 128;
+  const int64_t kp = (k + kStep - 1) / kStep * kStep;
+  const int64_t kblocks = rows ? (k + 127) / 128 : 1;
   at::Tensor a16 = at::empty({mp, kp}, at::kBFloat16);
   at::Tensor bpack = at::empty({np * kp / 2}, at::kInt);
   auto* ap = static_cast<uint16_t*>(a16.data_ptr());
   auto* bp = reinterpret_cast<uint32_t*>(bpack.data_ptr());
-  const std::vector<uint16_t> ta = bf16_table(a), tb = bf16_table(b);
   // Blocks in an order that keeps a strip of B (about 1 MiB) in a core's L2 while the rows of
   // A pass by: strips of columns outermost, then rows, then the strip's columns.
   const int64_t strip = std::clamp<int64_t>((int64_t(1) << 20) / (kp * 2) / kBlock * kBlock, kBlock, np);
@@ -505,36 +585,49 @@ void blockwise_amx(const Operand& a, const Operand& b, int64_t m, int64_t n, int
       for (int64_t j0 = s0; j0 < std::min(s0 + strip, np); j0 += kBlock) blocks.emplace_back(i0, j0);
   const int64_t nblocks = static_cast<int64_t>(blocks.size());
   SpinBarrier decoded, done;
+  WorkQueue decode, multiply;
+  std::atomic<bool> exact{true};
+  const int64_t panels = np / 16;
 #pragma omp parallel num_threads(team_size())
   {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const auto [r0, r1] = share(mp, t, nt);
-    decode_rows(a, ta.data(), m, k, kp, ap, r0, r1);
-    const auto [p0, p1] = share(np / 16, t, nt);
-    pack_panels(b, tb.data(), n, k, kp, bp, p0, p1);
+    const int nt = omp_get_num_threads();
+    decode.run(mp + panels * 2, 32, [&](int64_t r0, int64_t r1) {  // rows of A, then B's panels
+      bool ok = true;
+      if (r0 < mp) ok &= decode_rows(da, m, k, kp, ap, r0, std::min(r1, mp));
+      if (r1 > mp) ok &= pack_panels(db, n, k, kp, bp, (std::max(r0, mp) - mp) / 2, (r1 - mp) / 2);
+      if (!ok) exact = false;
+    });
     decoded.wait(nt);
-    const auto [t0, t1] = share(nblocks, t, nt);
-    amx_blocks(ap, kp, bp, blocks, t0, t1, rows, cols, kblocks, m, n, out);
+    if (exact.load()) {
+      multiply.run(nblocks, 4, [&](int64_t t0, int64_t t1) {
+        amx_blocks(ap, kp, bp, blocks, t0, t1, rows, cols, kblocks, m, n, out);
+      });
+    }
     done.wait(nt);
   }
+  return exact.load();
 }
 
 }  // namespace
 
-// The blockwise and MX product (M, K) x (K, N) -> fp32 (M, N), launched on the device queue by
+// The blockwise and MX product (M, K) x (K, N) -> (M, N), launched on the device queue by
 // the Python side (torch_neuronx/kernels/scaled_mm.py) through compiled::launch_kernel, so it
 // runs on the stream's executor and its OpenMP team like any device work. B comes as its N
 // rows along K. MX (`a_scales`/`b_scales` given: E8M0 codes, swizzled as cuBLAS takes them,
 // with their value table): dequantize, exact in bf16 unless among its subnormals, then one
-// BF16 GEMM accumulating in fp32, or fp32 operands and an fp32 GEMM. Blockwise (`rows`
-// (M, K/128) and `cols` (K/128, N) given): per 128-wide block of K the FP8 product (exact in
-// bf16) accumulated in fp32, scaled by its rows' and columns' scales and added to the result,
-// as the hardware does. `gemm`: MKL's BF16 GEMM, or 0 (then fp32 GEMMs); `amx`: the host
-// has AMX tiles.
+// product accumulating in fp32 on AMX tiles or by MKL's BF16 GEMM, or in fp32 operands by an
+// fp32 GEMM. Blockwise (`rows`, fp32
+// (ceil(M / rows_per), K/128) with strides (rows_s0, rows_s1), and `cols`, (K/128,
+// ceil(N / cols_per)) likewise): per 128-wide block of K the FP8 product (exact in bf16)
+// accumulated in fp32, scaled by its rows' and columns' scales and added to the result, as
+// the hardware does. `gemm`: MKL's BF16 GEMM, or 0 (then fp32 GEMMs); `amx`: the host
+// has AMX tiles. `out_kind`: OutKind of `out`.
 extern "C" void neuron_scaled_blocked_mm(
     int64_t a_codes, int64_t a_table, int64_t a_format, int64_t a_scales, int64_t b_codes,
     int64_t b_table, int64_t b_format, int64_t b_scales, int64_t scale_table, int64_t m,
-    int64_t n, int64_t k, int64_t gemm, int64_t amx, int64_t rows, int64_t cols, int64_t out) {
+    int64_t n, int64_t k, int64_t gemm, int64_t amx, int64_t rows, int64_t rows_s0,
+    int64_t rows_s1, int64_t rows_per, int64_t cols, int64_t cols_s0, int64_t cols_s1,
+    int64_t cols_per, int64_t out, int64_t out_kind) {
   auto ptr = [](int64_t w) { return reinterpret_cast<const void*>(w); };
   const auto* st = static_cast<const float*>(ptr(scale_table));
   const int64_t scale_tiles = ((k + 31) / 32 + 3) / 4;
@@ -544,25 +637,55 @@ extern "C" void neuron_scaled_blocked_mm(
   const Operand b{static_cast<const uint8_t*>(ptr(b_codes)), static_cast<const float*>(ptr(b_table)),
                   static_cast<int>(b_format), static_cast<const uint8_t*>(ptr(b_scales)), st,
                   scale_tiles};
-  auto* o = reinterpret_cast<float*>(out);
+  const Output o{reinterpret_cast<void*>(out), static_cast<int>(out_kind), n};
   const auto mm = reinterpret_cast<GemmBf16>(gemm);
+  // The slower paths compute in fp32, then round once into the output.
+  auto via_fp32 = [&](auto&& compute) {
+    if (o.kind == kOutFloat) {
+      compute(static_cast<float*>(o.data));
+      return;
+    }
+    at::Tensor wide = at::empty({m, n}, at::kFloat);
+    float* f = wide.data_ptr<float>();
+    compute(f);
+    at::parallel_for(0, m, 64, [&](int64_t r0, int64_t r1) {
+      for (int64_t i = r0; i < r1; ++i) o.put_row(i, 0, f + i * n, n);
+    });
+  };
   if (!rows) {  // MX
     // BF16 GEMMs flush subnormal products and sums to zero, where an fp32 GEMM keeps them.
     // All values are multiples of their operand's least nonzero magnitude times its least
     // scale, so every product and sum is a multiple of the product of the two: when that is a
     // normal number none of them can be subnormal.
     const bool normal = a.least() * a.min_scale(m, k) * b.least() * b.min_scale(n, k) >= FLT_MIN;
-    if (mm && normal && mx_bf16(a, b, m, n, k, mm, o)) return;
-    at::Tensor result = at::from_blob(o, {m, n}, at::kFloat);
-    at::mm_out(result, dequantize_float(a, m, k), dequantize_float(b, n, k).t());
+    const bool tiles = amx && amx_permitted();
+    if (normal && tiles && amx_product(scaled_rows(a, k), scaled_rows(b, k), m, n, k, nullptr, nullptr, o)) {
+      return;
+    }
+    if (normal && !tiles && mm && mx_bf16(a, b, m, n, k, mm, o)) return;
+    via_fp32([&](float* f) {
+      at::Tensor result = at::from_blob(f, {m, n}, at::kFloat);
+      at::mm_out(result, dequantize_float(a, m, k), dequantize_float(b, n, k).t());
+    });
     return;
   }
-  const auto* pr = static_cast<const float*>(ptr(rows));
-  const auto* pc = static_cast<const float*>(ptr(cols));
+  // The block scales as given (strided; one per `rows_per` rows of A and `cols_per` columns
+  // of B), spread to one per row (M, K/128) and per column (K/128, N).
+  const auto* sr = static_cast<const float*>(ptr(rows));
+  const auto* sc = static_cast<const float*>(ptr(cols));
+  const int64_t kblocks = (k + 127) / 128;
+  std::vector<float> re(m * kblocks), ce(kblocks * n);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t kb = 0; kb < kblocks; ++kb) re[i * kblocks + kb] = sr[(i / rows_per) * rows_s0 + kb * rows_s1];
+  for (int64_t kb = 0; kb < kblocks; ++kb)
+    for (int64_t j = 0; j < n; ++j) ce[kb * n + j] = sc[kb * cols_s0 + (j / cols_per) * cols_s1];
+  const float* pr = re.data();
+  const float* pc = ce.data();
   if (amx && amx_permitted()) {
-    blockwise_amx(a, b, m, n, k, pr, pc, o);
+    const std::vector<uint16_t> ta = bf16_table(a), tb = bf16_table(b);
+    amx_product(table_rows(a, ta.data(), k), table_rows(b, tb.data(), k), m, n, k, pr, pc, o);
   } else {
-    blockwise_mkl(a, b, m, n, k, mm, pr, pc, o);
+    via_fp32([&](float* f) { blockwise_mkl(a, b, m, n, k, mm, pr, pc, f); });
   }
 }
 

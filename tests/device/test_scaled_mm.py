@@ -610,6 +610,15 @@ def test_blockwise_and_mx_on_each_host_kernel(kernel, monkeypatch):
     wa, ws, w64 = _mx_reference(w, "mxfp8")
     got = torch._scaled_mm(n(xa), n(wa).t(), n(to_blocked(xs)), n(to_blocked(ws)), out_dtype=torch.float32)
     _check_one_rounding(got, x64, w64.t())
+    # The kernel rounds into bf16/fp16 itself: exactly as the fp32 result rounds (fp16 with
+    # values beyond its range too)
+    a, b = _operands(M, K, N)
+    sa, sb, _, _ = _v1_scales("1x128", "128x128", seed=6)
+    for dtype in (torch.bfloat16, torch.float16):
+        for args in ((n(a), n(b), n(sa * 300), n(sb)),
+                     (n(xa), n(wa).t(), n(to_blocked(xs)), n(to_blocked(ws)))):
+            wide = torch._scaled_mm(*args, out_dtype=torch.float32)
+            assert torch.equal(torch._scaled_mm(*args, out_dtype=dtype).cpu(), wide.cpu().to(dtype))
 
 
 @pytest.mark.parametrize("code", [1, 4, 30, 100, 254])

@@ -209,12 +209,18 @@ def _codes(t):
     return t.contiguous().view(torch.uint8), _code_table(t.dtype), 2 if t.dtype == _FP4 else 1
 
 
-def _launch_blocked_mm(dev, a, bt, k, sa=None, sb=None, rows=None, cols=None):
-    """(M, K) ``a`` times ``bt``, B's rows along K, -> a new fp32 (M, N) device tensor.
-    MX: ``sa`` and ``sb`` E8M0 scales per 32 of K, swizzled as cuBLAS takes them (the kernel
-    reads them in place); blockwise: ``rows`` (M, K/128) and ``cols`` (K/128, N) fp32 scales."""
+_OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # scaled_mm.cpp's OutKind
+
+
+def _launch_blocked_mm(dev, a, bt, k, sa=None, sb=None, rows=None, cols=None, rows_per=1, cols_per=1,
+                       out_dtype=torch.float32):
+    """(M, K) ``a`` times ``bt``, B's rows along K, -> a new (M, N) ``out_dtype`` device tensor
+    (fp32, or the fp32 product rounded once to nearest even into bf16 or fp16).
+    MX: ``sa`` and ``sb`` E8M0 scales per 32 of K, swizzled as cuBLAS takes them; blockwise:
+    fp32 ``rows`` (ceil(M / rows_per), K/128) and ``cols`` (K/128, ceil(N / cols_per)), any
+    strides. The kernel reads the scales in place."""
     m, n = a.size(0), bt.size(0)
-    out = torch.empty(m, n, device=dev)
+    out = torch.empty(m, n, device=dev, dtype=out_dtype)
     args, kinds = [], ""
     for x, s in ((a, sa), (bt, sb)):
         codes, table, fmt = _codes(x)
@@ -228,15 +234,15 @@ def _launch_blocked_mm(dev, a, bt, k, sa=None, sb=None, rows=None, cols=None):
             kinds += "r"
     args.extend((_code_table(_E8M0).data_ptr(), m, n, k, _BF16_GEMM, _AMX))
     kinds += "iiiiii"
-    for s in (rows, cols):
+    for s, per in ((rows, rows_per), (cols, cols_per)):
         if s is None:
-            args.append(0)
-            kinds += "i"
-        else:
-            args.append(s.float().contiguous())
-            kinds += "r"
-    args.append(out)
-    kinds += "w"
+            args.extend((0, 0, 0, 1))
+            kinds += "iiii"
+        else:  # read in place, strided
+            args.extend((s, s.stride(0), s.stride(1), per))
+            kinds += "riii"
+    args.extend((out, _OUT_KINDS[out_dtype]))
+    kinds += "wi"
     # A matmul's work far outweighs its operands' bytes: weighed as the bytes a memory-bound
     # op of about its duration moves, so the host sleeps rather than spin on a core it needs.
     args.append(m * n * k // 16)
@@ -434,10 +440,13 @@ def _blocked_unrecorded(dev, a, b, scale_a, scale_b, ra, rb, bias, out_dtype, v2
     k = a.size(1) * (2 if a.dtype == _FP4 else 1)
     kb = _cdiv(k, 128)
     sa, sb = scale_a, scale_b
+    sr = stochastic_rounding._applies(out_dtype)
+    # Without a bias or stochastic rounding the kernel rounds its fp32 result into out_dtype
+    wide = torch.float32 if bias is not None or sr else out_dtype
     if m == 0 or n == 0 or k == 0:
         out = torch.zeros(m, n, device=dev)
     elif ra == _B1x32:
-        out = _launch_blocked_mm(dev, a, b.t(), k, sa=sa, sb=sb)
+        out = _launch_blocked_mm(dev, a, b.t(), k, sa=sa, sb=sb, out_dtype=wide)
     else:
         if v2 and ra == _B128x128:   # (round_up(K/128, 4), M/128), K-block major
             sa = sa[:kb].t()
@@ -445,12 +454,13 @@ def _blocked_unrecorded(dev, a, b, scale_a, scale_b, ra, rb, bias, out_dtype, v2
             sb = sb.t()
         if v2 and rb == _B128x128:   # (round_up(K/128, 4), N/128)
             sb = sb[:kb]
-        rows = sa.float().repeat_interleave(128 if ra == _B128x128 else 1, 0)[:m]   # (M, K/128)
-        cols = sb.float().repeat_interleave(128 if rb == _B128x128 else 1, 1)[:, :n]  # (K/128, N)
-        out = _launch_blocked_mm(dev, a, b.t(), k, rows=rows, cols=cols)
+        # sa: (M or M/128, K/128), sb: (K/128, N or N/128)
+        out = _launch_blocked_mm(dev, a, b.t(), k, rows=sa, cols=sb,
+                                 rows_per=128 if ra == _B128x128 else 1,
+                                 cols_per=128 if rb == _B128x128 else 1, out_dtype=wide)
     if bias is not None:
         out += bias.float()
-    if stochastic_rounding._applies(out_dtype):
+    if sr:
         return stochastic_rounding._round(out, out_dtype)
     return out.to(out_dtype)
 
