@@ -140,6 +140,32 @@ def blockwise_and_mx_vs_bf16(pairs, size):
     return rows
 
 
+def grouped_mx_vs_bf16(pairs, groups=8, m=2048, k=1024, n=1024):
+    """MXFP8 _scaled_grouped_mm (2d-3d, a MoE layer's experts) against a bf16 _grouped_mm of
+    the same shape, both on neuron."""
+    g = torch.Generator().manual_seed(0)
+    ends = [(i + 1) * m // groups for i in range(groups)]
+    x = torch.randn(m, k, generator=g)
+    parts = [to_mxfp(x[s:e]) for s, e in zip([0] + ends[:-1], ends)]
+    a = torch.cat([d.view(torch.uint8) for _, d in parts]).view(torch.float8_e4m3fn)
+    sa = torch.cat([to_blocked(sc).reshape(-1) for sc, _ in parts]).reshape(-1, ((k // 32 + 3) // 4) * 4)
+    ws = [to_mxfp(torch.randn(n, k, generator=g)) for _ in range(groups)]
+    b = torch.stack([d for _, d in ws]).transpose(-2, -1)                # (G, K, N), column-major
+    sb = torch.stack([to_blocked(sc).reshape(-1) for sc, _ in ws])
+    offs = torch.tensor(ends, dtype=torch.int32).to(DEV)
+    a, b, sa, sb = (t.to(DEV) for t in (a, b, sa, sb))
+    wa = torch.randn(m, k, generator=g).bfloat16().to(DEV)
+    wb = torch.randn(groups, k, n, generator=g).bfloat16().to(DEV)
+
+    def mx():
+        return lambda: (torch._scaled_grouped_mm(a, b, sa, sb, offs), torch.neuron.synchronize())
+
+    def bf16():
+        return lambda: (torch._grouped_mm(wa, wb, offs), torch.neuron.synchronize())
+    r, c, d = paired(bf16, mx, pairs, 3)
+    return [(f"MXFP8 grouped 2d-3d, {groups} groups, {m}x{k}x{n} vs bf16 _grouped_mm", c, d, r, "(for scale)")]
+
+
 def modelled(size):
     """Modelled time of one call on each chip, per kind, against BF16 (ratios < 1 are gains)."""
     dims = (1, size, size, size)
@@ -256,6 +282,7 @@ def main():
         warnings.simplefilter("ignore")  # trn2's one-time "no MX matmul path" (modelled below)
         for size in (512, 1024, 2048):
             _report(blockwise_and_mx_vs_bf16(pairs, size), ("mm", "scaled"))
+        _report(grouped_mx_vs_bf16(pairs), ("bf16", "mx"))
     modelled(4096)
     bench_torchao(min(pairs, 3), *((256, 1024, 512) if args.quick else (512, 2048, 1024)))
     if args.large:

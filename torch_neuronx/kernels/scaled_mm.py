@@ -137,42 +137,11 @@ def _joint_scaling(a, b, sa, sb):
     raise RuntimeError(_invalid_config(a, b, sa, sb))
 
 
-# --- dequantization on host tensors ---
-def _fp4_to_float(t, dim):
-    """Unpacks float4_e2m1fn_x2 along ``dim`` (twice as long) into fp32."""
-    pairs = _FP4_PAIRS[t.view(torch.uint8).long()]         # (..., 2): low nibble, high nibble
-    return pairs.movedim(-1, dim + 1).flatten(dim, dim + 1)
-
-
-def _to_float(t, k_dim):
-    return _fp4_to_float(t, k_dim) if t.dtype == _FP4 else t.float()
-
-
-def _scale_blocks(x, s, br, bc):
-    """Multiplies fp32 ``x`` (R, C) in place by ``s`` (ceil(R/br), ceil(C/bc)), one scale per
-    br x bc block."""
-    r, c = x.shape
-    s = s.float()
-    if r % br == 0 and c % bc == 0:
-        x.view(r // br, br, c // bc, bc).mul_(s[:, None, :, None])
-    else:
-        x.mul_(s.repeat_interleave(br, 0)[:r].repeat_interleave(bc, 1)[:, :c])
-    return x
-
-
-def _unswizzle(s, rows, kblocks):
-    """cuBLAS's 128x4-tiled (32x4x4) E8M0 scale layout, flattened, back to (rows, kblocks):
-    the inverse of ``torch.testing._internal.common_quantized.to_blocked``."""
-    nrb, ncb = _cdiv(rows, 128), _cdiv(kblocks, 4)
-    tiles = s.reshape(nrb, ncb, 32, 4, 4).permute(0, 3, 2, 1, 4)
-    return tiles.reshape(nrb * 128, ncb * 4)[:rows, :kblocks]
-
-
 # --- the blockwise and MX product: csrc/aten/scaled_mm.cpp's kernel, on the device queue ---
 # FP8 and FP4 values, and MX's dequantized ones (times a power of two), are exact in bf16, so
-# a BF16 GEMM that accumulates in fp32 computes their product as an fp32 one does, at the
-# host's BF16 rate (AMX: several times fp32's). CPU's own matmuls give no fp32 result from
-# bf16 operands; MKL's cblas_gemm_bf16bf16f32, which libtorch_cpu carries, does.
+# a BF16 product that accumulates in fp32 computes them as an fp32 one does, at the host's
+# BF16 rate: on AMX tiles, or by MKL's cblas_gemm_bf16bf16f32 (libtorch_cpu carries it; CPU's
+# own matmuls give no fp32 result from bf16 operands).
 def _bf16_gemm_address():
     if not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
         return 0  # without BF16 instructions MKL converts to fp32 itself: no gain
@@ -213,14 +182,16 @@ _OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # scaled_
 
 
 def _launch_blocked_mm(dev, a, bt, k, sa=None, sb=None, rows=None, cols=None, rows_per=1, cols_per=1,
-                       out_dtype=torch.float32):
+                       out_dtype=torch.float32, out=None):
     """(M, K) ``a`` times ``bt``, B's rows along K, -> a new (M, N) ``out_dtype`` device tensor
-    (fp32, or the fp32 product rounded once to nearest even into bf16 or fp16).
+    (fp32, or the fp32 product rounded once to nearest even into bf16 or fp16), or into
+    ``out``, contiguous, of one of those dtypes.
     MX: ``sa`` and ``sb`` E8M0 scales per 32 of K, swizzled as cuBLAS takes them; blockwise:
     fp32 ``rows`` (ceil(M / rows_per), K/128) and ``cols`` (K/128, ceil(N / cols_per)), any
     strides. The kernel reads the scales in place."""
     m, n = a.size(0), bt.size(0)
-    out = torch.empty(m, n, device=dev, dtype=out_dtype)
+    if out is None:
+        out = torch.empty(m, n, device=dev, dtype=out_dtype)
     args, kinds = [], ""
     for x, s in ((a, sa), (bt, sb)):
         codes, table, fmt = _codes(x)
@@ -241,7 +212,7 @@ def _launch_blocked_mm(dev, a, bt, k, sa=None, sb=None, rows=None, cols=None, ro
         else:  # read in place, strided
             args.extend((s, s.stride(0), s.stride(1), per))
             kinds += "riii"
-    args.extend((out, _OUT_KINDS[out_dtype]))
+    args.extend((out, _OUT_KINDS[out.dtype]))
     kinds += "wi"
     # A matmul's work far outweighs its operands' bytes: weighed as the bytes a memory-bound
     # op of about its duration moves, so the host sleeps rather than spin on a core it needs.
@@ -779,37 +750,42 @@ def _scale_segments(op, scale, name, sizes):
 def _mx_grouped(op, dev, a, b, scale_a, scale_b, offs):
     """MXFP8/MXFP4 grouped GEMM, 2d-2d (groups along K) and 2d-3d (groups along M), as
     fbgemm's kernels behind CUDA's: every group's scales blocked (32x4x4-swizzled) on their
-    own. Operands dequantized exactly, one fp32 grouped matmul, one rounding to bf16."""
+    own. Each group is the dense MX kernel's product (csrc/aten/scaled_mm.cpp) on the queue,
+    written into its part of the result and rounded once to bf16; charged as one kernel."""
+    from .nkilib_routes import charged_as
     kind = "MXFP8" if _is_fp8(a) else "MXFP4"
     if not (a.dim() == 2 and b.dim() in (2, 3)):
         raise ValueError(f"{kind} grouped GEMM currently only supports 2d-2d and 2d-3d cases")
     if offs is None:
         raise ValueError(f"{kind} 2d-2d and 2d-3d grouped GEMMs requires offsets")
-    ha, hb, sa, sb, hoffs = _host(a, b, scale_a, scale_b, offs)
-    k = a.size(1) * (2 if a.dtype == _FP4 else 1)
-    af, bf = _to_float(ha, 1), _to_float(hb, b.dim() - 2)
-    if b.dim() == 2:
-        m, n = a.size(0), b.size(1)
-        groups = _group_bounds(op, hoffs, k, "K")
-        seg_a = _scale_segments(op, sa, "scale_a", [_mx_elems(m, e - s) for s, e in groups])
-        seg_b = _scale_segments(op, sb, "scale_b", [_mx_elems(n, e - s) for s, e in groups])
-        for (s, e), ga, gb in zip(groups, seg_a, seg_b):
-            if e > s:
-                kb = _cdiv(e - s, 32)
-                _scale_blocks(af[:, s:e], _unswizzle(ga, m, kb), 1, 32)
-                _scale_blocks(bf[s:e], _unswizzle(gb, n, kb).t(), 32, 1)
-    else:
-        kb, n = _cdiv(k, 32), b.size(2)
-        groups = _group_bounds(op, hoffs, a.size(0), "M")
-        seg_a = _scale_segments(op, sa, "scale_a", [_mx_elems(e - s, k) for s, e in groups])
-        for (s, e), ga in zip(groups, seg_a):
-            if e > s:
-                _scale_blocks(af[s:e], _unswizzle(ga, e - s, kb), 1, 32)
-        for g in range(b.size(0)):
-            _scale_blocks(bf[g], _unswizzle(sb[g], n, kb).t(), 32, 1)
-    out = torch._grouped_mm(af, bf, hoffs)
-    _charge(dev, op, _grouped_dims(a, b), (a, b, scale_a, scale_b, _out_meta(out.shape, torch.bfloat16)), "mx")
-    return _finish(out, torch.bfloat16, dev)
+    (hoffs,) = _host(offs)  # the groups' bounds decide the launches
+    half = 2 if a.dtype == _FP4 else 1  # FP4 packs pairs along K
+    k = a.size(1) * half
+    m, n = a.size(0), b.size(-1)
+    shape = (len(hoffs), m, n) if b.dim() == 2 else (m, n)
+    sr = stochastic_rounding._applies(torch.bfloat16)
+    wide = torch.float32 if sr else torch.bfloat16
+    seconds, flops, nbytes = _price(_grouped_dims(a, b), (a, b, scale_a, scale_b, _out_meta(shape, torch.bfloat16)),
+                                    "mx")
+    with charged_as(dev, op, seconds, engine="tensor", flops=flops, hbm_bytes=nbytes):
+        out = torch.zeros(shape, device=dev, dtype=wide)  # empty groups, rows past the last offset
+        if b.dim() == 2:
+            groups = _group_bounds(op, hoffs, k, "K")
+            seg_a = _scale_segments(op, scale_a, "scale_a", [_mx_elems(m, e - s) for s, e in groups])
+            seg_b = _scale_segments(op, scale_b, "scale_b", [_mx_elems(n, e - s) for s, e in groups])
+            for g, ((s, e), ga, gb) in enumerate(zip(groups, seg_a, seg_b)):
+                if e > s:
+                    _launch_blocked_mm(dev, a[:, s // half:e // half], b[s // half:e // half].t(), e - s,
+                                       sa=ga, sb=gb, out=out[g])
+        else:
+            groups = _group_bounds(op, hoffs, m, "M")
+            seg_a = _scale_segments(op, scale_a, "scale_a", [_mx_elems(e - s, k) for s, e in groups])
+            for g, ((s, e), ga) in enumerate(zip(groups, seg_a)):
+                if e > s:
+                    _launch_blocked_mm(dev, a[s:e], b[g].t(), k, sa=ga, sb=scale_b[g], out=out[s:e])
+        if sr:
+            return stochastic_rounding._round(out, torch.bfloat16)
+        return out
 
 
 def _grouped_dims(a, b):
