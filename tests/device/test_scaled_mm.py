@@ -415,6 +415,18 @@ def test_mx_grouped_2d_2d_k_grouped(fmt, entry):
             assert torch.equal(got[i].cpu(), torch.zeros(m, nn, dtype=torch.bfloat16))
 
 
+def test_mx_grouped_2d_3d_k_not_a_multiple_of_32_is_refused():
+    # the (G, K, N) operand's scales (CUDA's shape) hold K // 32 blocks: none for a K tail
+    a = torch.zeros(64, 144).to(E4)
+    b = torch.zeros(2, 32, 144).to(E4).transpose(-2, -1)
+    sa = torch.full((256, 8), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    sb = torch.full((2, 4 * 128), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    offs = torch.tensor([32, 64], dtype=torch.int32)
+    with pytest.raises(ValueError, match="K = 144 must be a multiple of 32"):
+        torch._scaled_grouped_mm(n(a), n(b), n(sa), n(sb), n(offs))
+    assert torch.equal((torch.ones(2, device=DEV) + 1).cpu(), torch.full((2,), 2.0))
+
+
 def test_mx_grouped_errors_as_cuda():
     x = torch.randn(64, 64)
     sa, qa = to_mxfp(x)

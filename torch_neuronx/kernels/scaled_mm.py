@@ -155,7 +155,7 @@ def _bf16_gemm_address():
 
 
 _BF16_GEMM = _bf16_gemm_address()
-# Blockwise products on AMX tiles (scaled_mm.cpp: block scales applied inside the accumulation)
+# Blockwise and MX products on AMX tiles (scaled_mm.cpp), where the host has them
 _AMX = int(torch.cpu._is_amx_tile_supported())
 _BLOCKED_MM = _C._scaled_blocked_mm_entry()
 _CODE_TABLES = {}
@@ -758,9 +758,12 @@ def _mx_grouped(op, dev, a, b, scale_a, scale_b, offs):
         raise ValueError(f"{kind} grouped GEMM currently only supports 2d-2d and 2d-3d cases")
     if offs is None:
         raise ValueError(f"{kind} 2d-2d and 2d-3d grouped GEMMs requires offsets")
-    (hoffs,) = _host(offs)  # the groups' bounds decide the launches
     half = 2 if a.dtype == _FP4 else 1  # FP4 packs pairs along K
     k = a.size(1) * half
+    if b.dim() == 3 and k % 32:
+        # CUDA's scale shape for the (G, K, N) operand counts K // 32 blocks: none for the rest
+        raise ValueError(f"{kind} grouped GEMM: K = {k} must be a multiple of 32, the E8M0 block size")
+    (hoffs,) = _host(offs)  # the groups' bounds decide the launches
     m, n = a.size(0), b.size(-1)
     shape = (len(hoffs), m, n) if b.dim() == 2 else (m, n)
     sr = stochastic_rounding._applies(torch.bfloat16)
