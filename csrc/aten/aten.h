@@ -60,6 +60,8 @@ at::Tensor scaled_mm_sequential(const at::Tensor& a, const at::Tensor& b, double
 // The address of the blockwise/MX product kernel that Python launches on the queue through
 // compiled::launch_kernel (scaled_mm.cpp).
 int64_t scaled_blocked_mm_entry();
+// torch._grouped_mm's CPU kernel, launched on the queue (grouped_mm.cpp).
+int64_t grouped_mm_entry();
 
 namespace compiled {
 // The most arguments a compiled kernel can take through launch_kernel.

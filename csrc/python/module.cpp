@@ -236,6 +236,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_scaled_mm_sequential", &neuron::scaled_mm_sequential,
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("_scaled_blocked_mm_entry", &neuron::scaled_blocked_mm_entry);
+  m.def("_grouped_mm_entry", &neuron::grouped_mm_entry);
+  // A tensor's TensorImpl and its dtype's ScalarType, as words for a launched kernel that
+  // rebuilds the tensor (grouped_mm.cpp); the launch keeps the tensor alive.
+  m.def("_tensor_impl", [](const at::Tensor& t) {
+    return std::make_pair(reinterpret_cast<int64_t>(t.unsafeGetTensorImpl()),
+                          static_cast<int64_t>(t.scalar_type()));
+  });
   m.def("_route_composites_to_cpu", &neuron::route_composites_to_cpu);
   // torch.multiprocessing: a device buffer moves into a shared-memory CPU storage (device
   // memory is host memory), which another process maps and adopts as its own device buffer.

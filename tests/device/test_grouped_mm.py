@@ -11,7 +11,7 @@ FORMS = {  # name: (mat_a, mat_b, offs)
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize("form", FORMS)
 def test_grouped_mm_matches_cpu(form, dtype):
     sa, sb, offs = FORMS[form]
@@ -54,3 +54,32 @@ def test_grouped_mm_mixed_devices_are_refused():
     with pytest.raises(RuntimeError, match="_grouped_mm: expected all tensors on neuron:0"):
         torch._grouped_mm(a, torch.randn(2, 16, 16, dtype=torch.bfloat16),
                           torch.tensor([4, 8], dtype=torch.int32, device="neuron"))
+
+
+def test_grouped_mm_is_queued_without_waiting_for_the_device():
+    # CPU's kernel reads the offsets; on neuron it runs on the queue, behind the work before
+    # it, so the host does not wait for the device (a MoE layer's launches keep flowing)
+    from torch_neuronx import _C
+    sa, sb, offs = FORMS["2d-3d"]
+    a, b = torch.randn(sa, dtype=torch.bfloat16), torch.randn(sb, dtype=torch.bfloat16)
+    o = torch.tensor(offs, dtype=torch.int32)
+    want = torch._grouped_mm(a, b, o)
+    a, b, o = a.to("neuron"), b.to("neuron"), o.to("neuron")
+    x = torch.randn(1024, 1024, device="neuron")
+    torch.neuron.synchronize()
+    for _ in range(8):
+        x = x @ x / 1024  # tens of milliseconds of queued work
+    got = torch._grouped_mm(a, b, o)
+    launched, executed = _C._queue_counts(0)
+    assert executed < launched
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
+
+
+def test_grouped_mm_inputs_cuda_refuses_still_run_cpus_kernel():
+    # The checks on meta tensors are CUDA's (e.g. 16-byte aligned strides); what only they
+    # refuse runs CPU's kernel on the host, with CPU's result
+    a, b = torch.randn(64, 20), torch.randn(4, 20, 12)
+    o = torch.tensor([16, 32, 48, 64], dtype=torch.int32)
+    want = torch._grouped_mm(a, b, o)
+    got = torch._grouped_mm(a.to("neuron"), b.to("neuron"), o.to("neuron"))
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)

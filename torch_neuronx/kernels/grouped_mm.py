@@ -4,8 +4,9 @@ PyTorch's device-generic implementation (CompositeExplicitAutograd, what a Priva
 device gets by default) reads ``offs`` to the host and issues one ``mm`` per group, so on
 neuron a MoE layer paid a device synchronisation and a launch per expert, and the cost
 model saw G small matmuls. Here the call runs CPU's kernel once on the device tensors' host
-memory (results bit-identical to CPU) and is charged as one kernel: NKI-lib's grouped
-matmul at the call's shape (``torch_neuronx.kernels.nkilib_routes.grouped_mm_seconds``).
+memory (results bit-identical to CPU), queued on the stream like any device work
+(``csrc/aten/grouped_mm.cpp``), and is charged as one kernel: NKI-lib's grouped matmul at the
+call's shape (``torch_neuronx.kernels.nkilib_routes.grouped_mm_seconds``).
 With ``NEURON_RT_STOCHASTIC_ROUNDING_EN`` on, a bf16/fp16 result is the fp32 one rounded
 stochastically (``kernels.stochastic_rounding``).
 """
@@ -29,22 +30,61 @@ def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     # A broadcast operand (autograd's gradient of a sum) has zero strides, which the kernel's
     # operand checks refuse: give it memory of its own first.
     mat_a, mat_b = (t.contiguous() if 0 in t.stride() else t for t in (mat_a, mat_b))
-    # CPU's kernel reads the group offsets on the host, as PyTorch's generic one does
-    # (_cpu_alias waits for the queued work on the device first).
-    host = [_C._cpu_alias(t) if t is not None else None for t in (mat_a, mat_b, offs, bias)]
-    idx = dev.index if dev.index is not None else torch.neuron.current_device()
     narrow = out_dtype or mat_a.dtype
+    shape = _shape(mat_a, mat_b, offs, bias)
     if stochastic_rounding._applies(narrow):
         # The switch on: the fp32 result, rounded once stochastically on the device, as the
         # hardware writes PSUM out (CPU's kernel would round to nearest even inside).
         torch.ops.aten._grouped_mm(*(to_meta(t) for t in (mat_a, mat_b, offs, bias)), out_dtype)  # CPU's checks
-        wide = torch._grouped_mm(*(t.float() if t is not None and t.is_floating_point() else t
-                                   for t in host), out_dtype=torch.float32)
+        wide = _launch(*(t.float() if t is not None and t.is_floating_point() else t
+                         for t in (mat_a, mat_b, offs, bias)), torch.float32, shape)
         _charge(dev, mat_a, mat_b, offs, wide.nbytes // 2)
-        return stochastic_rounding._round(_C._adopt_tensor(wide, idx), narrow)
-    out = torch._grouped_mm(*host[:2], host[2], host[3], out_dtype)
+        return stochastic_rounding._round(wide, narrow)
+    if shape is None:
+        # Inputs the checks on meta tensors refuse: CPU's kernel now, on the host (it raises
+        # its own error, or accepts what only CUDA refuses), once the queue has run
+        host = [_C._cpu_alias(t) if t is not None else None for t in (mat_a, mat_b, offs, bias)]
+        out = torch._grouped_mm(*host[:2], host[2], host[3], out_dtype)
+        _charge(dev, mat_a, mat_b, offs, out.nbytes)
+        return _C._adopt_tensor(out, dev.index if dev.index is not None else torch.neuron.current_device())
+    out = _launch(mat_a, mat_b, offs, bias, narrow, shape)
     _charge(dev, mat_a, mat_b, offs, out.nbytes)
-    return _C._adopt_tensor(out, idx)
+    return out
+
+
+def _shape(mat_a, mat_b, offs, bias):
+    """The result's shape from PyTorch's meta function, which carries CUDA's checks; None
+    where they refuse. Its dtype check (bf16 only, CUDA's) is passed with bf16 stand-ins: CPU
+    also takes fp32 and fp16. The offsets' values are read by the kernel on the queue, as on
+    CUDA."""
+    def stand_in(t):
+        if t is None:
+            return None
+        m = to_meta(t)
+        return m.to(torch.bfloat16) if m.is_floating_point() else m
+    try:
+        return torch.ops.aten._grouped_mm(*(stand_in(t) for t in (mat_a, mat_b, offs, bias))).shape
+    except RuntimeError:
+        return None
+
+
+_GROUPED_MM = _C._grouped_mm_entry()
+
+
+def _launch(mat_a, mat_b, offs, bias, dtype, shape):
+    """A new device tensor of ``shape`` and ``dtype``: CPU's grouped GEMM, queued."""
+    out = torch.empty(shape, dtype=dtype, device=mat_a.device)
+    tensors = (mat_a, mat_b, offs, bias, out)
+    # each tensor's data word (as an argument it stays alive while queued; an absent one 0),
+    # then its TensorImpl for the kernel to rebuild it, then out's ScalarType
+    kinds = "".join("i" if t is None else ("w" if t is out else "r") for t in tensors)
+    impls = [(0, 0) if t is None else _C._tensor_impl(t) for t in tensors]
+    args = [0 if t is None else t for t in tensors] + [i for i, _ in impls] + [impls[-1][1]]
+    # A GEMM's work far outweighs its operands' bytes: weighed as the bytes a memory-bound op
+    # of about its duration moves, so the host sleeps rather than spin on a core it needs.
+    work = out.numel() * mat_a.size(-1) // 16
+    _C._launch_kernel(_GROUPED_MM, "_grouped_mm", kinds + "i" * 6 + "h", *args, work)
+    return out
 
 
 def _charge(dev, mat_a, mat_b, offs, out_nbytes):

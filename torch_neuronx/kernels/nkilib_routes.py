@@ -185,7 +185,8 @@ def grouped_mm_seconds(a_shape, b_shape, dtype, offs):
         _decline("_grouped_mm", f"dtype {dtype}")
         return seconds, flops
     (M, K), (G, _, N) = a_shape, b_shape
-    ns = _grouped_mm_ns(cfg.profile.name, M, K, N, G, _DTYPES[dtype])
+    # NKI-lib's grouped_mm takes fp32 and bf16; fp16 has bf16's width and TensorE rate
+    ns = _grouped_mm_ns(cfg.profile.name, M, K, N, G, _DTYPES[torch.bfloat16 if dtype == torch.float16 else dtype])
     return cfg.profile.launch_overhead_ns * 1e-9 + ns * 1e-9 / max(1, cfg.lnc), flops
 
 
