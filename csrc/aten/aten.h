@@ -32,6 +32,10 @@ int route_composites_to_cpu();
 // named with add_dtype_policy_op reach it.
 using DtypeRetry = bool (*)(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 void set_dtype_retry(DtypeRetry hook);
+// The same policy asked first, with the device tensors, where an op cannot be queued (no
+// meta kernel takes its dtypes): where CPU's kernel would refuse them anyway, the policy
+// computes with device ops and the host does not wait for the device to find that out.
+void set_dtype_ahead(DtypeRetry hook);
 bool add_dtype_policy_op(const std::string& name, const std::string& overload);
 // Ops that had to wait for the device although asynchronous launch was on, by name.
 std::vector<std::pair<std::string, int64_t>> sync_op_counts(bool reset);

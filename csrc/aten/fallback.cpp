@@ -184,6 +184,9 @@ void count_sync(const char* name) {
   ++g_sync_ops[name];
 }
 
+DtypeRetry g_dtype_ahead = nullptr;
+bool policy_op(const void* schema);
+
 void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const auto& rets = schema.returns();
@@ -214,6 +217,10 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (!op.hasTag(at::Tag::inplace_view)) {
     if (queue::asynchronous() && !check::enabled()) {
       if (launch::try_launch(op, stack, &learning)) return;
+      if (g_dtype_ahead && policy_op(&schema) && g_dtype_ahead(op, stack)) {
+        if (learning) launch::refuse(learning);  // as after a policy's synchronous run
+        return;
+      }
       if (!learning) count_sync(schema.operator_name().name.c_str());
     }
     queue::synchronize_all();
@@ -415,6 +422,7 @@ bool run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 }  // namespace
 
 void set_dtype_retry(DtypeRetry hook) { g_dtype_retry = hook; }
+void set_dtype_ahead(DtypeRetry hook) { g_dtype_ahead = hook; }
 
 bool add_dtype_policy_op(const std::string& name, const std::string& overload) {
   auto h = c10::Dispatcher::singleton().findSchema({name, overload});

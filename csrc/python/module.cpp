@@ -127,6 +127,15 @@ bool dtype_retry(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   return call_python_op(g_retry_policy, "the dtype policy", op, stack);
 }
 
+PyObject* g_ahead_policy = nullptr;  // the policy asked before waiting (leaked, as above)
+
+bool dtype_ahead(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  if (!Py_IsInitialized()) return false;
+  pybind11::gil_scoped_acquire gil;
+  if (!g_ahead_policy) return false;
+  return call_python_op(g_ahead_policy, "the dtype policy", op, stack);
+}
+
 // Stochastic rounding's Python side (torch_neuronx.kernels.stochastic_rounding); leaked
 // as the dtype policy is.
 PyObject* g_sr_op = nullptr;
@@ -324,6 +333,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     Py_XDECREF(g_retry_policy);
     g_retry_policy = policy.inc_ref().ptr();
     neuron::set_dtype_retry(&dtype_retry);
+  });
+  m.def("_set_dtype_policy_ahead", [](pybind11::object policy) {
+    Py_XDECREF(g_ahead_policy);
+    g_ahead_policy = policy.inc_ref().ptr();
+    neuron::set_dtype_ahead(&dtype_ahead);
   });
   m.def("_add_dtype_policy_op", &neuron::add_dtype_policy_op);
   m.def("_set_stochastic_rounding_hooks", [](pybind11::object op, pybind11::object copy) {

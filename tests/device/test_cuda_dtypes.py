@@ -98,3 +98,26 @@ def test_cuda_dtype_runs_on_neuron(op, dtype):
             r = r.to(g.dtype)
             torch.testing.assert_close(g.cpu(), r, equal_nan=True, **_TOL.get(g.dtype, {}))
     assert (torch.ones(2, device=DEV) + 1).cpu().tolist() == [2.0, 2.0]
+
+
+def test_integer_histc_is_queued_without_waiting_for_the_device():
+    # CPU's kernel refuses integer histc; the device computes CUDA's result with device ops
+    # before the host would wait to find that out, as Transformers' MoE routing relies on
+    # ("use histc to avoid bincount's device-to-host sync")
+    from torch_neuronx import _C
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-4, 14, (2000,), generator=g, dtype=torch.int32)
+    want = torch.histc(x.double(), bins=5, min=0, max=9).to(torch.int32)  # values outside dropped
+    xd = x.to(DEV)
+    torch.histc(xd, bins=5, min=0, max=9)  # a shape's first ops learn their outputs' shapes
+    y = torch.randn(1024, 1024, device=DEV)
+    torch.neuron.synchronize()
+    for _ in range(8):
+        y = y @ y / 1024  # tens of milliseconds of queued work
+    got = torch.histc(xd, bins=5, min=0, max=9)
+    launched, executed = _C._queue_counts(0)
+    assert executed < launched
+    assert got.dtype == torch.int32 and torch.equal(got.cpu(), want)
+    out = torch.empty(0, dtype=torch.int32, device=DEV)
+    torch.histc(xd, bins=5, min=0, max=9, out=out)
+    assert torch.equal(out.cpu(), want)

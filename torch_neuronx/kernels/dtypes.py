@@ -112,9 +112,13 @@ def _histc_int(name, overload, args):
         lo, hi = _scalar_as(lo - 1, self.dtype), _scalar_as(hi + 1, self.dtype)
     if not lo < hi:
         raise RuntimeError("torch.histc: max must be larger than min")
-    x = x[(x >= lo) & (x <= hi)]
     b = torch.div((x - lo) * bins, hi - lo, rounding_mode="floor").clamp_(max=bins - 1)
-    hist = torch.bincount(b, minlength=bins).to(self.dtype)
+    # Values outside [lo, hi] go to an extra bin that is dropped: every shape is known before
+    # the values are, so on the device nothing waits for them (Transformers' MoE routing calls
+    # histc to avoid bincount's device-to-host synchronisation)
+    b = torch.where((x >= lo) & (x <= hi), b, bins)
+    hist = torch.zeros(bins + 1, dtype=torch.int64, device=x.device)
+    hist = hist.scatter_add_(0, b, torch.ones_like(b))[:bins].to(self.dtype)
     if overload == "out":
         out = args[4]
         out.resize_(hist.shape).copy_(hist)
@@ -170,6 +174,26 @@ def cpu_refuses(base: str, dtype: torch.dtype) -> bool:
     return base in _UPCAST and dtype == torch.complex32
 
 
+def _policy_ahead(name: str, overload: str, args: tuple):
+    """Asked with the device tensors before the host would wait for the device to run CPU's
+    kernel: the special rules, where CPU's kernel refuses the dtype (so that attempt could
+    only fail), computed with device ops."""
+    base = name.split("::", 1)[1]
+    x = args[0] if args else None
+    if not (base in _SPECIAL and isinstance(x, torch.Tensor) and cpu_refuses(base, x.dtype)):
+        return None
+    # Charged as the one op it is on the chip (as when the policy ran after CPU's refusal),
+    # its device ops unrecorded
+    from .. import _state, cost_model
+    from .nkilib_routes import charged_as
+    cfg = _state.config()
+    nbytes = cost_model.priced_nbytes(x)
+    seconds, engine, flops = cost_model.op_seconds(cfg.profile, cfg.lnc, base, [tuple(x.shape)], x.dtype,
+                                                   nbytes, 0)
+    with charged_as(x.device, base, seconds, engine=engine, flops=flops, hbm_bytes=nbytes):
+        return _policy(name, overload, args)
+
+
 def _policy(name: str, overload: str, args: tuple):
     base = name.split("::", 1)[1]
     rule = _SPECIAL.get(base)
@@ -211,6 +235,7 @@ def _register():
             for overload in packet.overloads():
                 _C._add_dtype_policy_op("aten::" + name, "" if overload == "default" else overload)
     _C._set_dtype_policy(_policy)
+    _C._set_dtype_policy_ahead(_policy_ahead)
 
 
 _register()
