@@ -141,6 +141,7 @@ struct Operand {  // rows of FP8/FP4 codes along K, with optional E8M0 scales pe
   const uint8_t* scales;     // E8M0 codes in cuBLAS's swizzled 128 x 4 tiles, or null
   const float* scale_table;  // each E8M0 code's value
   int64_t scale_tiles;       // tiles of 4 scales along K: ceil(ceil(K / 32) / 4)
+  float safe = 0;            // safe_scale(), computed once per call
 
   // The scale of row r's kb-th block of 32 (torch.testing's to_blocked layout: per tile of
   // 128 rows x 4 blocks, rows r % 32 outermost, then r / 32 % 4, then kb % 4).
@@ -181,7 +182,7 @@ struct Operand {  // rows of FP8/FP4 codes along K, with optional E8M0 scales pe
 // bf16 output reports whether every rounding was exact.
 template <int kFormat, class Out>
 __attribute__((optimize("O3", "fp-contract=off")))
-inline bool dequantize_row(const Operand& x, int64_t r, int64_t cols, float safe_scale, Out* o) {
+inline bool dequantize_row(const Operand& x, int64_t r, int64_t cols, Out* o) {
   constexpr int kPerCode = kFormat == kPairs ? 2 : 1;
   const uint8_t* c = x.codes + r * (cols / kPerCode);
   const int64_t bc = x.scales ? 32 : std::max<int64_t>(cols, 1);
@@ -191,7 +192,7 @@ inline bool dequantize_row(const Operand& x, int64_t r, int64_t cols, float safe
     const float s = x.scales ? x.scale(r, j0 / 32) : 1.0f;
     const int64_t b0 = j0 / kPerCode, b1 = std::min(j0 + bc, cols) / kPerCode;
     if constexpr (std::is_same_v<Out, uint16_t>) {
-      if (s >= safe_scale) {
+      if (s >= x.safe) {
         // A power of two (E8M0) times an FP8/FP4 value that stays normal: exact in bf16, so
         // its bf16 bits are the fp32 product's upper half. (Infinite products are infinities
         // in both; NaN scales take the general path, which keeps them NaN.)
@@ -228,11 +229,10 @@ inline bool dequantize_row(const Operand& x, int64_t r, int64_t cols, float safe
 template <class Out>
 __attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3", "fp-contract=off")))
 bool dequantize_rows(const Operand& x, int64_t cols, Out* out, int64_t r0, int64_t r1) {
-  const float safe = x.safe_scale();
   bool exact = true;
   for (int64_t r = r0; r < r1; ++r) {
-    exact &= x.format == kPairs ? dequantize_row<kPairs>(x, r, cols, safe, out + r * cols)
-                                : dequantize_row<kTable>(x, r, cols, safe, out + r * cols);
+    exact &= x.format == kPairs ? dequantize_row<kPairs>(x, r, cols, out + r * cols)
+                                : dequantize_row<kTable>(x, r, cols, out + r * cols);
   }
   return exact;
 }
@@ -288,18 +288,18 @@ using GemmBf16 = void (*)(int, int, int, int, int, int, float, const void*, int,
                           float, float*, int);
 constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
 
-// out[i0:i0+mi, j0:j0+nj] += (part * rows[i, kb]) * cols[kb, j]: one K block's partial product
-// of a result tile, scaled and added while both are in cache.
-__attribute__((optimize("O3", "fp-contract=off")))
-void scale_accumulate_tile(float* out, int64_t n, const float* part, int64_t i0, int64_t mi,
-                           int64_t j0, int64_t nj, const float* rows, int64_t kblocks, int64_t kb,
-                           const float* cols) {
+// o[i, j] += (part[i, j] * rows[i * kblocks]) * cols[j] over an mi x nj tile (row strides
+// os and ps): one K block's partial product of a result tile, scaled by its rows' and
+// columns' block scales and added while both are in cache. Inlined into each caller, so it
+// takes the caller's vector width.
+__attribute__((always_inline))
+inline void scale_accumulate_tile(float* o, int64_t os, const float* part, int64_t ps, int64_t mi,
+                                  int64_t nj, const float* rows, int64_t kblocks, const float* cols) {
   for (int64_t i = 0; i < mi; ++i) {
-    const float r = rows[(i0 + i) * kblocks + kb];
-    float* o = out + (i0 + i) * n + j0;
-    const float* p = part + i * nj;
-    const float* c = cols + kb * n + j0;
-    for (int64_t j = 0; j < nj; ++j) o[j] = o[j] + (p[j] * r) * c[j];
+    const float r = rows[i * kblocks];
+    float* oi = o + i * os;
+    const float* p = part + i * ps;
+    for (int64_t j = 0; j < nj; ++j) oi[j] = oi[j] + (p[j] * r) * cols[j];
   }
 }
 
@@ -379,7 +379,8 @@ void blockwise_mkl(const Operand& a, const Operand& b, int64_t m, int64_t n, int
           at::Tensor p = at::from_blob(pp, {mi, nj}, at::kFloat);
           at::mm_out(p, af.narrow(0, i0, mi).narrow(1, k0, kw), bf.narrow(0, j0, nj).narrow(1, k0, kw).t());
         }
-        scale_accumulate_tile(o, n, pp, i0, mi, j0, nj, rows, kblocks, kb, cols);
+        scale_accumulate_tile(o + i0 * n + j0, n, pp, nj, mi, nj, rows + i0 * kblocks + kb, kblocks,
+                              cols + kb * n + j0);
       }
     }
   });
@@ -428,7 +429,9 @@ std::vector<uint16_t> bf16_table(const Operand& x) {
 // Writes row r of an operand's values (K of them) as bf16 bits; false if one was inexact.
 using RowDecoder = std::function<bool(int64_t, uint16_t*)>;
 
-// Unscaled FP8/FP4 values (blockwise): looked up in `t16`, exact.
+// Unscaled FP8/FP4 values (blockwise): looked up in `t16`, exact. (dequantize_row, whose
+// exact path gives the same bits, measured 7% slower on blockwise 2048^3: 17.0 against
+// 15.9 ms.)
 RowDecoder table_rows(const Operand& x, const uint16_t* t16, int64_t k) {
   return [&x, t16, k](int64_t r, uint16_t* o) {
     if (x.format == kPairs) {
@@ -447,10 +450,8 @@ RowDecoder table_rows(const Operand& x, const uint16_t* t16, int64_t k) {
 
 // MX values, times their E8M0 scales.
 RowDecoder scaled_rows(const Operand& x, int64_t k) {
-  const float safe = x.safe_scale();
-  return [&x, k, safe](int64_t r, uint16_t* o) {
-    return x.format == kPairs ? dequantize_row<kPairs>(x, r, k, safe, o)
-                              : dequantize_row<kTable>(x, r, k, safe, o);
+  return [&x, k](int64_t r, uint16_t* o) {
+    return x.format == kPairs ? dequantize_row<kPairs>(x, r, k, o) : dequantize_row<kTable>(x, r, k, o);
   };
 }
 
@@ -533,14 +534,8 @@ void amx_block(const uint16_t* a16, int64_t kp, const uint32_t* bpack, int64_t i
       for (int64_t i = 0; i < mi; ++i) out.put_row(i0 + i, j0, part + i * kBlock, nj);
       return;
     }
-    // The same roundings as scale_accumulate_tile: (part * row scale) * column scale, added.
-    const float* c = cols + kb * n + j0;
-    for (int64_t i = 0; i < mi; ++i) {
-      const float r = rows[(i0 + i) * kblocks + kb];
-      float* o = acc + i * kBlock;
-      const float* pp = part + i * kBlock;
-      for (int64_t j = 0; j < nj; ++j) o[j] = o[j] + (pp[j] * r) * c[j];
-    }
+    scale_accumulate_tile(acc, kBlock, part, kBlock, mi, nj, rows + i0 * kblocks + kb, kblocks,
+                          cols + kb * n + j0);
   }
   for (int64_t i = 0; i < mi; ++i) out.put_row(i0 + i, j0, acc + i * kBlock, nj);
 }
@@ -631,12 +626,14 @@ extern "C" void neuron_scaled_blocked_mm(
   auto ptr = [](int64_t w) { return reinterpret_cast<const void*>(w); };
   const auto* st = static_cast<const float*>(ptr(scale_table));
   const int64_t scale_tiles = ((k + 31) / 32 + 3) / 4;
-  const Operand a{static_cast<const uint8_t*>(ptr(a_codes)), static_cast<const float*>(ptr(a_table)),
-                  static_cast<int>(a_format), static_cast<const uint8_t*>(ptr(a_scales)), st,
-                  scale_tiles};
-  const Operand b{static_cast<const uint8_t*>(ptr(b_codes)), static_cast<const float*>(ptr(b_table)),
-                  static_cast<int>(b_format), static_cast<const uint8_t*>(ptr(b_scales)), st,
-                  scale_tiles};
+  auto operand = [&](int64_t codes, int64_t table, int64_t format, int64_t scales) {
+    Operand x{static_cast<const uint8_t*>(ptr(codes)), static_cast<const float*>(ptr(table)),
+              static_cast<int>(format), static_cast<const uint8_t*>(ptr(scales)), st, scale_tiles};
+    x.safe = x.safe_scale();
+    return x;
+  };
+  const Operand a = operand(a_codes, a_table, a_format, a_scales);
+  const Operand b = operand(b_codes, b_table, b_format, b_scales);
   const Output o{reinterpret_cast<void*>(out), static_cast<int>(out_kind), n};
   const auto mm = reinterpret_cast<GemmBf16>(gemm);
   // The slower paths compute in fp32, then round once into the output.

@@ -32,24 +32,22 @@ def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     mat_a, mat_b = (t.contiguous() if 0 in t.stride() else t for t in (mat_a, mat_b))
     narrow = out_dtype or mat_a.dtype
     shape = _shape(mat_a, mat_b, offs, bias)
-    if stochastic_rounding._applies(narrow):
-        # The switch on: the fp32 result, rounded once stochastically on the device, as the
-        # hardware writes PSUM out (CPU's kernel would round to nearest even inside).
-        torch.ops.aten._grouped_mm(*(to_meta(t) for t in (mat_a, mat_b, offs, bias)), out_dtype)  # CPU's checks
-        wide = _launch(*(t.float() if t is not None and t.is_floating_point() else t
-                         for t in (mat_a, mat_b, offs, bias)), torch.float32, shape)
-        _charge(dev, mat_a, mat_b, offs, wide.nbytes // 2)
-        return stochastic_rounding._round(wide, narrow)
+    # The stochastic-rounding switch on: the fp32 result, rounded once stochastically on the
+    # device, as the hardware writes PSUM out (CPU's kernel would round to nearest even inside).
+    rounded = stochastic_rounding._applies(narrow)
+    operands = (mat_a, mat_b, offs, bias)
+    if rounded:
+        operands = tuple(t.float() if t is not None and t.is_floating_point() else t for t in operands)
     if shape is None:
         # Inputs the checks on meta tensors refuse: CPU's kernel now, on the host (it raises
         # its own error, or accepts what only CUDA refuses), once the queue has run
-        host = [_C._cpu_alias(t) if t is not None else None for t in (mat_a, mat_b, offs, bias)]
-        out = torch._grouped_mm(*host[:2], host[2], host[3], out_dtype)
-        _charge(dev, mat_a, mat_b, offs, out.nbytes)
-        return _C._adopt_tensor(out, dev.index if dev.index is not None else torch.neuron.current_device())
-    out = _launch(mat_a, mat_b, offs, bias, narrow, shape)
-    _charge(dev, mat_a, mat_b, offs, out.nbytes)
-    return out
+        host = [_C._cpu_alias(t) if t is not None else None for t in operands]
+        out = _C._adopt_tensor(torch._grouped_mm(*host, torch.float32 if rounded else out_dtype),
+                               dev.index if dev.index is not None else torch.neuron.current_device())
+    else:
+        out = _launch(*operands, torch.float32 if rounded else narrow, shape)
+    _charge(dev, mat_a, mat_b, offs, out.numel() * narrow.itemsize)
+    return stochastic_rounding._round(out, narrow) if rounded else out
 
 
 def _shape(mat_a, mat_b, offs, bias):
