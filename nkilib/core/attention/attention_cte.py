@@ -1,9 +1,12 @@
 """FlashAttention forward for context encoding (prefill): AWS's ``attention_cte``.
 
 Per query group of 128 rows the scores against up to 512 keys at a time (one fp32 PSUM bank)
-go through an online softmax: the running row maximum, the running sum of exponentials and
-the unnormalised output are rescaled when the maximum grows, so the score matrix never
-leaves the chip. Sections of keys that a causal or sliding-window mask removes entirely are
+leave PSUM for SBUF scaled, with their row maximum, in one pass. An online softmax then runs
+per chunk of up to four such sections (2048 keys; two on NeuronCore-v4): the chunk's
+exponentials use its running maximum, P.V accumulates over the chunk in one PSUM tile, and
+the running sum and the unnormalised output are rescaled once per chunk. So the score matrix
+never leaves the chip, and per section each engine makes about the one pass over the scores
+that it must. Sections of keys that a causal or sliding-window mask removes entirely are
 skipped (a causal kernel does about half the work); sections the mask cuts through get an
 ``affine_select``. K and V of a batch stay in SBUF when they fit and stream per section when
 they do not.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace as _Cfg
 from types import SimpleNamespace as _Group   # a query group's running state
+from types import SimpleNamespace as _Chunk   # a chunk of a group's sections: shared statistics
 
 import nki
 import nki.isa as nisa
@@ -34,6 +38,9 @@ from ..utils.pipeline import pipeline as _pipeline
 _NEG = -3.0e38          # masked score: exp() of it underflows to 0
 _BANK = 512             # fp32 scores per PSUM bank (2 KiB per partition): one matmul's output
 _INTERLEAVE = 4         # query groups whose sections alternate in the pipeline
+_CHUNK = 4              # sections per softmax rescale: 2048 keys (NeuronCore-v3)
+_CHUNK_V4 = 2           # v4, whose rescale is cheap on its VectorE, gains less from a longer chunk
+                        # than its pipeline loses (S=4096: 253 us at 2, 259 us at 4)
 _KV_RESIDENT = 96 * 1024  # bytes per partition K and V may hold in SBUF for a whole batch
 
 
@@ -95,30 +102,40 @@ def attention_cte(q, k, v, scale=1.0, causal_mask=True, k_prior=None, v_prior=No
             x.lo = max(0, x.q0 - window + 1) // P * P if window else 0
             x.secs = list(range(x.lo, x.hi, cfg.section))
             groups.append(x)
-    units = _interleave(groups, _INTERLEAVE)
     # NeuronCore-v4: ScalarE's Activation2 reduces a maximum and VectorE's exponential runs
     # at 4x activation's rate, so the max moves to ScalarE and the exp to VectorE
     cfg.fast_exp = nisa.get_nc_version() == nisa.nc_version.gen4
+    units = _interleave(groups, _INTERLEAVE, _CHUNK_V4 if cfg.fast_exp else _CHUNK)
     # PSUM in rings of slots, taken in turn by consecutive units (an allocator would
     # fragment PSUM into pieces no 2 KiB score tile fits). A unit starts every tick and its
     # stages are ``gap`` ticks apart, so a stage's inputs come from ``gap`` units back and
     # the 1.3 us semaphore waits overlap other units' work. A slot may be written again in
-    # the tick its last reader issues (older units issue first): the scores, read up to
-    # two stages after their matmul (one on NeuronCore-v4, where ScalarE copies them out
-    # with their maximum), take 2 (1) x gap slots, P^T and the P.V accumulator gap slots.
-    # The fast-exp kernel has room in PSUM for gap 4, which its shorter engine work needs.
-    reads = 2 if cap or not cfg.fast_exp else 1
-    cfg.gap = gap = 4 if reads == 1 and not fp32 else 2
-    # Where PSUM has room (16-bit P, gap 2), one more slot per ring lets TensorE run ahead
-    # of the engine that last read a slot by a semaphore wait.
-    more = int(gap == 2 and not fp32)
-    cfg.s_ring = nl.ndarray((P, reads * gap + more, cfg.section), dtype=nl.float32, buffer=nl.psum)
+    # the tick its last reader issues (older units issue first): the scores, read once a
+    # stage after their matmul, and P^T take ``gap`` slots each, one
+    # more where PSUM has room so that TensorE can run ahead of the slot's reader by a
+    # semaphore wait. A unit's exponentials wait ``delay`` ticks more than that, until its
+    # chunk's last section has its maximum; P.V accumulates per chunk (``_pv_slots``).
+    cfg.gap = gap = 2 if fp32 else 3
+    more = int(not fp32)
+    cfg.delay = max((u[5].last - u[5].first for u in units), default=0)
+    n_pv = _pv_slots(units, cfg.delay, gap)
+    cfg.s_ring = nl.ndarray((P, gap + more, cfg.section), dtype=nl.float32, buffer=nl.psum)
     cfg.pt_ring = nl.ndarray((P, gap + more, cfg.section // P, P), dtype=p_dtype, buffer=nl.psum)
-    cfg.pv_ring = nl.ndarray((P, gap + more, d), dtype=nl.float32, buffer=nl.psum)
+    cfg.pv_ring = nl.ndarray((P, n_pv, d), dtype=nl.float32, buffer=nl.psum)
+    # SBUF rings too, for the tiles of every unit (tiles allocated per unit fragment SBUF
+    # until a long causal kernel finds no 2 KiB range free): the scaled scores, held from
+    # their maximum to their exponential, P and P^T, each held one gap. A slot is written
+    # again ``gap + 1`` ticks after its last read, so the writer does not wait on the reader's
+    # engine (SBUF has the room PSUM lacks).
+    held = gap + cfg.delay + (gap if cfg.fast_exp else 0)
+    spare = gap + 1
+    cfg.ss_ring = nl.ndarray((P, held + spare, cfg.section), dtype=nl.float32, buffer=nl.sbuf)
+    cfg.p_ring = nl.ndarray((P, gap + spare, cfg.section), dtype=p_dtype, buffer=nl.sbuf)
+    cfg.pT_ring = nl.ndarray((P, gap + spare, cfg.section // P, P), dtype=p_dtype, buffer=nl.sbuf)
     cfg.t_ring = {}
     # the queries' transposes: held one gap, by up to _INTERLEAVE consecutive first units
     cfg.q_ring = [nl.ndarray((P, gap + 1, P), dtype=q.dtype, buffer=nl.psum), 0]
-    cfg.pt_modes = _pt_modes(p_dtype)
+    cfg.pt_modes = _pt_modes(cfg.fast_exp)
     # Masks cut the diagonal sections: with 16-bit inputs and no soft-cap (which must see
     # the unmasked scores) TensorE, which has time to spare, adds the mask into the scores'
     # PSUM as a bf16 matmul by the identity; else VectorE adds it as it reads the scores.
@@ -131,11 +148,12 @@ def attention_cte(q, k, v, scale=1.0, causal_mask=True, k_prior=None, v_prior=No
     return out
 
 
-def _interleave(groups, n):
-    """(group, section start, first, last) units, sections of ``n`` groups at a time taken
-    in turn: consecutive units then belong to different groups, so one group's chain of
-    running statistics does not serialise the pipeline."""
-    units, blocks = [], []
+def _interleave(groups, n, chunk=_CHUNK):
+    """The pipeline's units, sections of ``n`` groups at a time taken in turn: consecutive
+    units then belong to different groups, so one group's chain of running statistics does
+    not serialise the pipeline. Each unit is (group, section start, first, last, position in
+    its chunk, the chunk); a chunk is up to ``chunk`` consecutive sections of one group."""
+    order, blocks = [], []
     for x in groups:      # a block shares one kv batch: K and V stay resident per batch
         if blocks and len(blocks[-1]) < n and blocks[-1][0].kb == x.kb:
             blocks[-1].append(x)
@@ -143,15 +161,42 @@ def _interleave(groups, n):
             blocks.append([x])
     for block in blocks:
         for j in range(max(len(x.secs) for x in block)):
-            units += [(x, x.secs[j], j == 0, j == len(x.secs) - 1) for x in block if j < len(x.secs)]
-    return units
+            order += [(x, j) for x in block if j < len(x.secs)]
+    chunks = {}
+    for i, (x, j) in enumerate(order):
+        ch = chunks.setdefault((id(x), j // chunk), _Chunk(first=i, last=i, n=0))
+        ch.last, ch.n = i, ch.n + 1
+    return [(x, x.secs[j], j == 0, j == len(x.secs) - 1, j % chunk, chunks[(id(x), j // chunk)])
+            for x, j in order]
 
 
-def _pt_modes(p_dtype):
-    """The engine that copies consecutive units' P^T out of PSUM, in turn: VectorE (the max
-    reductions) and ScalarE (the exps) share it. DMA transposes (AWS's choice) measured
+def _pv_slots(units, delay, gap):
+    """A PSUM slot per chunk for its P.V accumulator, held from its first unit's P.V stage to
+    its rescale (a gap after its last unit's): intervals coloured in order of start. Returns
+    the number of slots."""
+    free, busy, used = [], [], 0
+    for ch in sorted({id(u[5]): u[5] for u in units}.values(), key=lambda ch: ch.first):
+        start, end = ch.first + delay, ch.last + delay + gap
+        for b in [b for b in busy if b[0] <= start]:     # released before this chunk starts
+            busy.remove(b)
+            free.append(b[1])
+        if not free:
+            free.append(used)
+            used += 1
+        ch.slot = min(free)
+        free.remove(ch.slot)
+        busy.append((end, ch.slot))
+    return used
+
+
+def _pt_modes(fast_exp):
+    """The engines that copy consecutive units' P^T out of PSUM, in turn. NeuronCore-v3:
+    VectorE carries the pass over the scores with their maximum, ScalarE the exponentials,
+    and two copies in three on ScalarE balance them (measured: 293 us at S=4096 against
+    312 us with two in three on VectorE). v4: ScalarE carries the maximum, VectorE the
+    (4x faster) exponentials, so VectorE copies. DMA transposes (AWS's choice) measured
     slower in the model: one takes all 16 queues at half their rate, 1.3 us per unit."""
-    return ("vector", "scalar")
+    return ("vector",) if fast_exp else ("scalar", "scalar", "vector")
 
 
 def _scratch(c, rows, cols, dtype):
@@ -164,14 +209,16 @@ def _scratch(c, rows, cols, dtype):
     return ring[0][0:rows, ring[1], 0:cols]
 
 
-def _unit(c, i, x, s0, first, last):
+def _unit(c, i, x, s0, first, last, pos, ch):
     """One query group against one section of keys, as stages separated by ``yield``.
 
-    VectorE bounds the forward (it alone can reduce a row maximum out of PSUM), so it does
-    only that, the running maximum and the output update; the running sum is a (128, 1) op on
-    GpSimd, and the exp's row sum comes out of the activation instruction itself. Stages are
-    ``c.gap`` ticks apart, so a stage's inputs come from several units back and the
-    cross-engine semaphore waits overlap other units' work."""
+    The one pass over the scores that needs a row maximum (VectorE's ``tensor_scalar_reduce``
+    on NeuronCore-v3, ScalarE's ``activate2`` on v4) also scales them into SBUF, which frees
+    their PSUM bank at once. The chunk's last section then folds the chunk's maxima into the
+    running one; every section's exponential uses it, the running sum gathers the rows on
+    GpSimd, and the chunk's last section rescales the output once. Stages are ``c.gap``
+    ticks apart, so a stage's inputs come from several units back and the cross-engine
+    semaphore waits overlap other units' work."""
     P = nl.tile_size.pmax
     r, d = x.r, c.d
     w = min(c.section, x.hi - s0)
@@ -188,6 +235,9 @@ def _unit(c, i, x, s0, first, last):
         nisa.memset(dst=x.l_sum, value=0.0, engine=nisa.gpsimd_engine)
         x.acc = nl.ndarray((r, d), dtype=nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=x.acc, value=0.0, engine=nisa.gpsimd_engine)
+    if pos == 0:   # each section's row maximum and row sum of exponentials
+        ch.mx = nl.ndarray((r, ch.n), dtype=nl.float32, buffer=nl.sbuf)
+        ch.rows = nl.ndarray((r, ch.n), dtype=nl.float32, buffer=nl.sbuf)
     if c.resident:   # k_t is the batch's K, kc its column of key s0
         k_t, v_t, vb0, kc = c.kv[1], c.kv[2], s0 // P, s0
     else:
@@ -215,36 +265,44 @@ def _unit(c, i, x, s0, first, last):
         src, ls = t, float(c.cap)
         yield c.gap
     src = _mask(c, src, s0, w, x.q0, r)
-    mx = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nb_old, x.nb = x.nb, nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
-    if c.fast_exp:   # ScalarE: the scaled scores to SBUF with their row maximum
-        ss = nl.ndarray((r, w), dtype=nl.float32, buffer=nl.sbuf)
+    # the scaled scores to SBUF with their row maximum
+    ss = c.ss_ring[0:r, i % c.ss_ring.shape[1], 0:w]
+    if c.fast_exp:   # ScalarE
         nisa.activate2(dst=ss, op=nl.copy, data=src, imm0=ls, imm1=0.0, op0=nl.multiply,
-                       op1=None, reduce_op=nl.maximum, reduce_res=mx,
+                       op1=None, reduce_op=nl.maximum, reduce_res=ch.mx[:, pos:pos + 1],
                        reduce_cmd=nisa.reduce_cmd.reset_reduce)
-    else:            # VectorE: the negated row maximum and the bias min(nb, -ls * max)
-        nisa.tensor_reduce(dst=mx, op=nl.max, data=src, axis=1, negate=True)
-        nisa.tensor_scalar(dst=x.nb, data=mx, op0=nl.multiply, operand0=ls, op1=nl.minimum,
-                           operand1=nb_old)
-    nb = x.nb
-    yield c.gap
-    # exp(ls * s - max) with its row sum, and the correction exp(max_old - max)
-    n_blk = (w + P - 1) // P
-    p = nl.ndarray((r, w), dtype=c.p_dtype, buffer=nl.sbuf)
-    row = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
-    corr = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
-    if c.fast_exp:   # on VectorE, at 4x ScalarE's rate, after the running maximum (here, not
-        # with the ScalarE copy: VectorE would wait a semaphore on it in the same stage)
-        nisa.tensor_tensor(dst=nb, data1=nb_old, data2=mx, op=nl.maximum)
-        nisa.exponential(dst=p, src=ss, max_value=nb, reduce_res=row,
-                         reduce_cmd=nisa.reduce_cmd.reset_reduce)
-        nisa.exponential(dst=corr, src=nb_old, max_value=nb)
-        del ss
-    else:            # on ScalarE
-        nisa.activation(dst=p, op=nl.exp, data=src, scale=ls, bias=nb, reduce_op=nl.add,
-                        reduce_res=row)
-        nisa.activation(dst=corr, op=nl.exp, data=nb_old, scale=-1.0, bias=nb)
+    else:            # VectorE
+        nisa.tensor_scalar_reduce(dst=ss, data=src, op0=nl.multiply, operand0=ls,
+                                  reduce_op=nl.maximum, reduce_res=ch.mx[:, pos:pos + 1])
     del src, s_ps
+    if c.fast_exp:   # VectorE takes the maxima a stage after ScalarE wrote them
+        yield c.gap
+    if pos == ch.n - 1:   # VectorE: the chunk's maximum into the running one
+        cm = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
+        ch.nb_old, ch.nb = x.nb, nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=cm, op=nl.max, data=ch.mx, axis=1, negate=not c.fast_exp)
+        nisa.tensor_tensor(dst=ch.nb, data1=ch.nb_old, data2=cm,
+                           op=nl.maximum if c.fast_exp else nl.minimum)
+        x.nb = ch.nb
+    # every unit waits as long, so that all keep their order; by then the chunk's last
+    # section has its maximum
+    yield c.gap + c.delay
+    # exp(s - max) with its row sum, and (once per chunk) the correction exp(max_old - max)
+    n_blk = (w + P - 1) // P
+    p = c.p_ring[0:r, i % c.p_ring.shape[1], 0:w]
+    if pos == 0:
+        ch.corr = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
+    if c.fast_exp:   # on VectorE, at 4x ScalarE's rate
+        nisa.exponential(dst=p, src=ss, max_value=ch.nb, reduce_res=ch.rows[:, pos:pos + 1],
+                         reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        if pos == 0:
+            nisa.exponential(dst=ch.corr, src=ch.nb_old, max_value=ch.nb)
+    else:            # on ScalarE
+        nisa.activation(dst=p, op=nl.exp, data=ss, bias=ch.nb, reduce_op=nl.add,
+                        reduce_res=ch.rows[:, pos:pos + 1])
+        if pos == 0:
+            nisa.activation(dst=ch.corr, op=nl.exp, data=ch.nb_old, scale=-1.0, bias=ch.nb)
+    del ss
     yield c.gap
     # TensorE: P transposed, keys onto partitions, into one PSUM tile that a single copy
     # (VectorE or ScalarE, in turn) brings to SBUF
@@ -252,10 +310,16 @@ def _unit(c, i, x, s0, first, last):
     for j in range(n_blk):
         kw = min(P, w - j * P)
         nisa.nc_transpose(dst=t_ps[0:kw, j, :], data=p[:, j * P:j * P + kw])
-    nisa.tensor_scalar(dst=x.l_sum, data=x.l_sum, op0=nl.multiply, operand0=corr,
-                       op1=nl.add, operand1=row, engine=nisa.gpsimd_engine)
+    # GpSimd: the running sum, rescaled by the chunk's first section
+    row = ch.rows[:, pos:pos + 1]
+    if pos == 0:
+        nisa.tensor_scalar(dst=x.l_sum, data=x.l_sum, op0=nl.multiply, operand0=ch.corr,
+                           op1=nl.add, operand1=row, engine=nisa.gpsimd_engine)
+    else:
+        nisa.tensor_scalar(dst=x.l_sum, data=x.l_sum, op0=nl.add, operand0=row,
+                           engine=nisa.gpsimd_engine)
     yield c.gap
-    pT = nl.ndarray((P, n_blk, r), dtype=c.p_dtype, buffer=nl.sbuf)
+    pT = c.pT_ring[:, i % c.pT_ring.shape[1], 0:n_blk, 0:r]
     full = w // P
     eng = nisa.scalar_engine if c.pt_modes[i % len(c.pt_modes)] == "scalar" else nisa.vector_engine
     if full:
@@ -266,16 +330,17 @@ def _unit(c, i, x, s0, first, last):
     blocks = [pT[0:min(P, w - j * P), j, :] for j in range(n_blk)]
     del t_ps
     yield c.gap
-    # TensorE: P @ V into one PSUM accumulator
-    pv = c.pv_ring[0:r, i % c.pv_ring.shape[1], :]
+    # TensorE: P @ V into the chunk's PSUM accumulator
+    pv = c.pv_ring[0:r, ch.slot, :]
     for j, t in enumerate(blocks):
         kw = min(P, w - j * P)
         nisa.nc_matmul(dst=pv, stationary=t[0:kw, :], moving=v_t[0:kw, vb0 + j, :],
-                       accumulate=j > 0)
+                       accumulate=pos > 0 or j > 0)
     del blocks, pT
-    yield c.gap
-    nisa.scalar_tensor_tensor(dst=x.acc, data=x.acc, op0=nl.multiply, operand0=corr,
-                              op1=nl.add, operand1=pv)
+    if pos == ch.n - 1:
+        yield c.gap
+        nisa.scalar_tensor_tensor(dst=x.acc, data=x.acc, op0=nl.multiply, operand0=ch.corr,
+                                  op1=nl.add, operand1=pv)
     if last:
         yield c.gap
         _finish(c, x, d)
