@@ -447,9 +447,18 @@ def _drain() -> None:
             _timeline(device, epoch, busy)
 
 
+def _close_windows() -> None:
+    """Launches every device's Adaptive Eager window now, without waiting for it: its ops are
+    recorded when it closes, so ops issued before a reading or a reset belong to it."""
+    from .neuron import device_count
+    for i in range(device_count()):
+        _C._close_window(i)
+
+
 def modelled_time(device=None, reset: bool = False) -> ModelledTime:
     """Modelled Trainium time of everything executed on ``device`` since the last reset."""
     from .neuron import _index
+    _close_windows()
     _drain()
     idx = _index(device)
     with _lock:
@@ -462,6 +471,7 @@ def modelled_time(device=None, reset: bool = False) -> ModelledTime:
 def reset_modelled_time(device=None) -> None:
     """Forget accumulated modelled time (of one device, or of all when ``device`` is None)."""
     from .neuron import _index
+    _close_windows()
     _drain()
     with _lock:
         if device is None:

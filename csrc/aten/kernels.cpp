@@ -4,6 +4,7 @@
 #include "aten.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -25,6 +26,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <map>
 #include <mutex>
 #include <set>
 #include <unordered_map>
@@ -88,6 +90,93 @@ at::Tensor host_side(const at::Tensor& t, const char* role) {
 // host source is snapshotted, so the caller may reuse its buffer at once.
 constexpr int64_t kSnapshotBytes = 1 << 20;
 
+// Does ATen's cast from `from` to `to` write the same bits for every value whichever of its
+// loops converts it, NaNs included? Then the cast is exact and split-free for the fusion
+// window (fusion::Op): where a fused kernel cuts the tensor (always into contiguous blocks)
+// cannot change a bit. Probed once per pair: every pattern of a 1- or 2-byte type (hashed
+// ones for wider types), converted in one call and in contiguous pieces of varied lengths
+// (each value then meets ATen's vector loop and its tail). On this machine fp32 -> bf16 and
+// bf16 -> fp32 agree; fp16 -> fp32 does not (a NaN widens to 0x7fffffff in the tail).
+bool cast_split_free(c10::ScalarType from, c10::ScalarType to) {
+  static std::mutex mu;
+  static std::map<std::pair<c10::ScalarType, c10::ScalarType>, bool> known;
+  std::lock_guard<std::mutex> g(mu);
+  auto it = known.find({from, to});
+  if (it != known.end()) return it->second;
+  bool same = false;
+  const int64_t width = int64_t(c10::elementSize(from));
+  if (!c10::isComplexType(from) && !c10::isComplexType(to) && !c10::isQIntType(from) &&
+      !c10::isQIntType(to) && width <= 8) {
+    constexpr int64_t n = 65536 + 37;  // with a tail after the vector loop
+    at::Tensor src;
+    if (from == c10::kBool) {
+      src = at::arange(n, at::kLong).remainder(2).to(c10::kBool);
+    } else if (width <= 2) {
+      src = at::arange(n, at::kInt).to(width == 1 ? at::kByte : at::kShort).view(from);
+    } else {
+      // a multiplicative hash of the index (not the global generator: the user's random
+      // stream must not move)
+      const int64_t words = (n * width + 7) / 8;
+      src = at::arange(words, at::kLong).mul(int64_t(0x9E3779B97F4A7C15ull)).view(at::kByte)
+                .slice(0, 0, n * width).view(from);
+    }
+    // the same values converted in contiguous pieces of varied lengths, so that each value
+    // meets both the vector loop and its tail at some place
+    at::Tensor pieces = at::empty({n}, src.options().dtype(to));
+    static constexpr int64_t kLengths[] = {1, 3, 17, 31, 64, 100, 257};
+    for (int64_t i = 0, k = 0; i < n; ++k) {
+      const int64_t len = std::min(kLengths[k % 7], n - i);
+      pieces.slice(0, i, i + len).copy_(src.slice(0, i, i + len));
+      i += len;
+    }
+    auto bits = [](const at::Tensor& t) {
+      switch (c10::elementSize(t.scalar_type())) {
+        case 1: return t.view(at::kByte);
+        case 2: return t.view(at::kShort);
+        case 4: return t.view(at::kInt);
+        default: return t.view(at::kLong);
+      }
+    };
+    same = at::equal(bits(src.to(to)), bits(pieces));
+  }
+  known[{from, to}] = same;
+  return same;
+}
+
+// A dtype cast between two contiguous device tensors of one shape (`x.float()`,
+// `.to(torch.bfloat16)`: what bf16 blocks are made of) joins the device's Adaptive Eager
+// window as ATen's `copy_`, a pointwise op like the others, instead of closing it. Only casts:
+// a same-dtype copy stays a DMA copy, as on the chip. Where the cast's bits could depend on
+// ATen's loop (cast_split_free), the window takes it only where its blocks are eager's.
+bool join_window(const at::Tensor& self, const at::Tensor& dst, const at::Tensor& src_h,
+                 const at::Tensor& dst_h, c10::DeviceIndex d) {
+  if (!fusion::enabled() || self.scalar_type() == dst.scalar_type() || self.device() != dst.device() ||
+      !self.is_contiguous() || !dst.is_contiguous() || self.sizes() != dst.sizes() ||
+      (self.numel() < at::internal::GRAIN_SIZE && !fusion::holding(d)) || self.numel() == 0) {
+    return false;
+  }
+  static const c10::OperatorHandle copy = c10::Dispatcher::singleton().findSchemaOrThrow("aten::copy_", "");
+  fusion::Op f;
+  f.kernel = copy;
+  f.args = {dst, self, false};
+  f.self = 0;
+  f.overwrites = true;
+  f.exact = f.split_free = cast_split_free(self.scalar_type(), dst.scalar_type());
+  f.pure = self.numel() >= at::internal::GRAIN_SIZE;
+  f.row = dst.dim() >= 2;
+  f.numel = dst.numel();
+  f.shape = dst.sizes().vec();
+  f.name = "aten::copy_";
+  f.dtype = dst.scalar_type();
+  f.shape_tensors = {self, dst};
+  f.bytes_in = nbytes(self);
+  f.bytes_out = nbytes(dst);
+  f.run = [dst_h, src_h]() mutable { dst_h.copy_(src_h); };
+  if (!f.pure && !f.row) return false;
+  fusion::append(d, current_stream_id(d), std::move(f));
+  return true;
+}
+
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
   (void)non_blocking;
   if (sr::narrowing_copy(self, dst)) {  // a cast to bf16/fp16 with stochastic rounding on
@@ -102,6 +191,7 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   bool queued = to_dev && queue::asynchronous() && !check::enabled() &&
                 (from_dev ? self.device().index() == d : nbytes(self) <= kSnapshotBytes) && dst_h.layout() == c10::kStrided &&
                 src_h.layout() == c10::kStrided;
+  if (queued && from_dev && join_window(self, dst, src_h, dst_h, d)) return dst;
   if (queued) {
     if (!from_dev) src_h = src_h.clone();
     fusion::count_launch();

@@ -355,9 +355,11 @@ std::shared_ptr<RowPlan> make_row_plan(std::vector<Op>& ops,
   std::unordered_map<const void*, int> val_of;
   std::unordered_map<const void*, bool> dead;
   for (size_t i = 0; i < ops.size(); ++i) {
-    if (!ops[i].use_out) continue;
-    const Ref& out = refs[i].back();
-    bool d = only_window_holds(ops[i].outs[0], counts) && contiguous(out.sizes, out.strides);
+    if (!ops[i].use_out && !ops[i].overwrites) continue;
+    const at::Tensor& written = ops[i].use_out ? ops[i].outs[0] : ops[i].args[ops[i].self].toTensor();
+    const Ref& out = ops[i].use_out ? refs[i].back()
+                                    : *std::find_if(refs[i].begin(), refs[i].end(), [](const Ref& r) { return r.write; });
+    bool d = only_window_holds(written, counts) && contiguous(out.sizes, out.strides);
     for (const auto& rs : refs) {
       for (const auto& r : rs) d = d && (r.buf != out.buf || same_place(r, out));
     }
@@ -511,10 +513,14 @@ void run_rows(const RowPlan& p) {
 
 }  // namespace
 
-void flush_rows(c10::DeviceIndex d, int64_t stream, std::vector<Op>& ops,
-                const std::vector<std::vector<Ref>>& refs, const std::vector<int64_t>& shape) {
+namespace {
+
+// The window's ops as one rows kernel, launched; false (nothing launched) where that could
+// not be bit-identical to eager or would save nothing.
+bool launch_rows(c10::DeviceIndex d, int64_t stream, std::vector<Op>& ops,
+                 const std::vector<std::vector<Ref>>& refs, const std::vector<int64_t>& shape) {
   auto plan = make_row_plan(ops, refs, shape);
-  if (!plan || !plan_gains(*plan)) return launch_unfused(d, stream, ops);
+  if (!plan || !plan_gains(*plan)) return false;
   plan_exact_runs(*plan, ops, shape);
   fold_cats(*plan);
   // Exact ops whose NaN bits depend on the loop, where ATen computes them on blocks.
@@ -523,7 +529,7 @@ void flush_rows(c10::DeviceIndex d, int64_t stream, std::vector<Op>& ops,
   for (size_t k = 0; k < ops.size(); ++k) {
     if (ops[k].exact && !ops[k].split_free && !in_run[k] && !plan->folded[k] &&
         !loops_match_eager(*plan, ops[k], refs[k])) {
-      return launch_unfused(d, stream, ops);
+      return false;
     }
   }
   count_fused(int64_t(ops.size()), one_pass_ops(plan->runs));
@@ -551,6 +557,41 @@ void flush_rows(c10::DeviceIndex d, int64_t stream, std::vector<Op>& ops,
   // The kernel holds CPU storages over the device memory; the allocator keeps blocks freed
   // after the launch out of reuse until it has run.
   queue::launch_now(d, stream, "neuron::fused_rows", [plan] { run_rows(*plan); }, bytes_in + bytes_out);
+  return true;
+}
+
+}  // namespace
+
+void flush_rows(c10::DeviceIndex d, int64_t stream, std::vector<Op>& ops,
+                const std::vector<std::vector<Ref>>& refs, const std::vector<int64_t>& shape) {
+  if (launch_rows(d, stream, ops, refs, shape)) return;
+  // Not as a whole: one op whose loops would not line up with eager's (a transcendental, a
+  // narrowing cast) need not cost the ops around it their fusion. The window runs as its
+  // longest prefix that fuses (or its first op alone), then the rest likewise, in program
+  // order. The ops of a part are moved out of the window while it is planned, so that what
+  // only the part refers to counts as dead and what later ops read stays live.
+  size_t i = 0, parts = 0;
+  while (i < ops.size()) {
+    size_t k = ops.size();
+    for (; k >= i + 2; --k) {
+      if (k == ops.size() && i == 0) continue;  // the whole window: tried above
+      std::vector<Op> part;
+      for (size_t j = i; j < k; ++j) part.push_back(std::move(ops[j]));
+      std::vector<std::vector<Ref>> part_refs(refs.begin() + i, refs.begin() + k);
+      const bool ok = launch_rows(d, stream, part, part_refs, shape);
+      for (size_t j = i; j < k; ++j) ops[j] = std::move(part[j - i]);
+      if (ok) break;
+    }
+    if (k < i + 2) {  // no part from here fuses: its first op runs alone
+      std::vector<Op> one;
+      one.push_back(std::move(ops[i]));
+      launch_unfused(d, stream, one);
+      k = i + 1;
+    }
+    i = k;
+    ++parts;
+  }
+  g_kernels.fetch_add(int64_t(parts) - 1);  // the window was counted as one kernel
 }
 
 }  // namespace neuron::fusion::detail

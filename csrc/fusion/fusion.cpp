@@ -149,7 +149,12 @@ Plan make_plan(std::vector<Op>& ops, const Refs& refs) {
   p.numel = ops.front().numel;
   std::unordered_map<const void*, bool> dead;
   for (auto& op : ops) {
-    if (op.use_out) dead[address(op.outs[0])] = only_window_holds(op.outs[0], refs);
+    if (op.use_out) {
+      dead[address(op.outs[0])] = only_window_holds(op.outs[0], refs);
+    } else if (op.overwrites) {
+      const at::Tensor& t = op.args[op.self].toTensor();
+      dead[address(t)] = only_window_holds(t, refs);
+    }
   }
   std::map<std::pair<const void*, int>, int> by_address;
   auto value_of = [&](const at::Tensor& t) {

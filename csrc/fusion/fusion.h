@@ -18,6 +18,9 @@ struct Op {
   std::vector<at::Tensor> outs;       // the fresh output (out= ops)
   bool use_out = false;
   int self = -1;                      // the argument an in-place op writes
+  // An in-place op that writes all of self without reading it (a cast's `copy_` into the
+  // tensor `.to()` just made): self is then a fresh output, dead when only the window holds it.
+  bool overwrites = false;
   int64_t numel = 0;
   std::vector<int64_t> shape;         // iteration shape: the output's, a reduction's input's
   // pure: every operand contiguous and of `shape` (chunks of the flat range are independent).

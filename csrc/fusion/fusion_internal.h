@@ -1,6 +1,7 @@
 // What the fusion window (fusion.cpp) and the rows kernel (fused_rows.cpp) share.
 #pragma once
 
+#include <atomic>
 #include "fusion.h"
 
 #include <functional>
@@ -47,6 +48,7 @@ std::vector<std::pair<int64_t, int64_t>> eager_ranges(int64_t n);
 // Per-thread buffer `slot` of kChunk * 8 bytes, kept across kernels.
 c10::Storage scratch_buffer(size_t slot);
 void launch_unfused(c10::DeviceIndex d, int64_t stream, std::vector<Op>& ops);
+extern std::atomic<int64_t> g_kernels;  // kernels launched (fusion.cpp's counters)
 // What fusion saves is memory traffic: for intermediates the program has dropped (they never
 // reach memory), and for values several ops touch (in cache between them, as an optimizer's
 // in-place updates). A chain with neither would only pay the blocking's per-call cost.
