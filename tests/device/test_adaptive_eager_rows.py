@@ -185,6 +185,18 @@ def test_cast_probe_leaves_the_random_stream_alone():
     _same(y, (x.cpu() * 2).to(torch.int16))
 
 
+def test_a_cast_alone_is_charged_as_a_device_copy():
+    """A cast whose window holds only it is modelled as before it could join one: a copy
+    within HBM, no host traffic."""
+    a = torch.randn(1024, 1024, device=N, dtype=torch.bfloat16)
+    torch.neuron.synchronize()
+    torch_neuronx.reset_modelled_time()
+    a.float()
+    t = torch_neuronx.modelled_time(reset=True)
+    assert set(t.by_op) == {"copy_d2d"} and t.launches == 1, t
+    assert t.host_bytes == 0
+
+
 def test_same_dtype_copies_stay_copies():
     """Only casts join: a device-to-device copy of one dtype is the chip's DMA copy."""
     x = torch.randn(512, 512, device=N)
