@@ -1,9 +1,10 @@
 """NKI-lib kernels: simulator speed against PyTorch on CPU, modelled FlashAttention
 throughput on trn2/trn3, and what routing SDPA's cost through NKI-lib adds to a call.
 
-    .venv/bin/python bench/bench_nkilib.py [--quick] [--tflops]
+    .venv/bin/python bench/bench_nkilib.py [--quick] [--tflops] [--moe]
 
-``--tflops`` runs part 2 only (deterministic: the modelled numbers do not depend on the host).
+``--tflops`` runs part 2 only, ``--moe`` part 4 only (deterministic: the modelled numbers do
+not depend on the host).
 
 1. Host time of the simulated kernel vs the PyTorch reference of the same math on CPU
    (a report: the simulator executes every instruction in NumPy).
@@ -11,6 +12,9 @@ throughput on trn2/trn3, and what routing SDPA's cost through NKI-lib adds to a 
    fraction of one NeuronCore's TensorE bf16 peak, with the engines' busy shares.
 3. SDPA on neuron, forward + modelled-time drain, with the NKI-lib cost route and without
    it (the roofline), in alternating pairs: the ratio of medians.
+4. MoE decode: modelled moe_tkg latency against the time to stream the picked experts'
+   weights (the core's share of HBM or its DMA queues, whichever is less), and the fused
+   moe_block_tkg against RMSNorm + router + experts as three kernels.
 """
 from __future__ import annotations
 
@@ -121,10 +125,58 @@ def routing_overhead(pairs=15):
           f"ratio {a / b:.3f} (median of {pairs} pairs)")
 
 
+def moe_decode():
+    from nki.simulator.timing import Timeline
+    from nkilib.core.moe.moe_tkg.moe_tkg import moe_tkg
+    from nkilib.core.moe_block.moe_block_tkg import moe_block_tkg
+    from nkilib.core.router_topk.router_topk import router_topk
+    from nkilib.core.subkernels.rmsnorm_tkg import rmsnorm_tkg
+    from nkilib.core.utils.common_types import ExpertAffinityScaleMode, RouterActFnType
+    print("4. modelled MoE decode (bf16, top-2 of 8 experts, POST_SCALE)")
+    post = dict(expert_affinities_scaling_mode=ExpertAffinityScaleMode.POST_SCALE)
+    soft = RouterActFnType.SOFTMAX
+    shapes = [(1, 2048, 1024), (4, 2048, 1024), (32, 2048, 1024)]
+    if not QUICK:
+        shapes.append((8, 4096, 1792))
+    for target in ("trn2", "trn3"):
+        p = get_profile(target)
+        rate = min(Timeline(p).hbm_bytes_per_ns, p.dma_queues * p.dma_queue_bytes_per_ns)
+        for T, H, I in shapes:
+            rng = np.random.default_rng(0)
+            x = rng.standard_normal((T, H)).astype(BF16)
+            gamma = np.ones((1, H), BF16)
+            wr = (rng.standard_normal((H, 8)) / np.sqrt(H)).astype(BF16)
+            wgu = (rng.standard_normal((8, H, 2, I)) / np.sqrt(H)).astype(BF16)
+            wd = (rng.standard_normal((8, I, H)) / np.sqrt(I)).astype(BF16)
+            for all_expert in (False, True):
+                rk = np.zeros((1, 1), np.int32)
+                block = nki.benchmark(moe_block_tkg, target=target)(
+                    x, gamma, wr, wgu, wd, top_k=2, router_act_fn=soft, is_all_expert=all_expert,
+                    rank_id=rk, **post)
+                norm = nki.benchmark(rmsnorm_tkg, target=target)(x, gamma)
+                router = nki.benchmark(router_topk, target=target)(
+                    norm.outputs, wr, None, None, None, None, soft, 2, 1, 0)
+                _, idx, aff = router.outputs
+                exp = nki.benchmark(moe_tkg, target=target)(
+                    norm.outputs, wgu, wd, aff, idx.astype(np.int32), all_expert, rank_id=rk,
+                    mask_unselected_experts=True, **post)
+                used = 8 if all_expert else len(set(np.asarray(idx).ravel().tolist()))
+                floor = used * 3 * H * I * 2 / rate / 1e3
+                parts = norm.latency_us + router.latency_us + exp.latency_us
+                mode = "all-expert" if all_expert else "selective"
+                print(f"   {target} T={T} H={H} I={I} {mode}: {used} experts' weights stream in "
+                      f"{floor:.1f} us; moe_tkg {exp.latency_us:.1f} us ({floor / exp.latency_us:.0%} "
+                      f"of the bound); block {block.latency_us:.1f} us vs three kernels "
+                      f"{parts:.1f} us ({parts / block.latency_us:.2f}x)")
+
+
 if __name__ == "__main__":
     if "--tflops" in sys.argv:
         flash_tflops()
+    elif "--moe" in sys.argv:
+        moe_decode()
     else:
         simulator_vs_torch()
         flash_tflops()
         routing_overhead()
+        moe_decode()

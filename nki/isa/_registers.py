@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..simulator import context as _ctx
 from ..simulator import tensore as _tensore
 
 
@@ -29,6 +30,9 @@ def register_alloc(x=0):
 
 def register_load(dst, src):
     _tensore.drain()
+    sim = _ctx.current()
+    if sim.timing:
+        sim.tl.register_read([src.box()])
     dst.value = int(np.asarray(src.v).reshape(-1)[0])
 
 

@@ -220,6 +220,11 @@ class Kernel:
         return Kernel(self.func, g, self.target, **self.options)
 
     def __call__(self, *args, **kwargs):
+        outer = context._current
+        if outer is not None and outer.in_run:
+            # A kernel called from a running kernel is a sub-kernel: its instructions join
+            # the caller's program (one launch, tiles shared), as NKI-lib's fused blocks use.
+            return self.func(*args, **kwargs)
         tracer = frameworks.tracing()
         if tracer is not None:
             return tracer.call_compiled(self, args, kwargs)

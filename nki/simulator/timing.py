@@ -36,6 +36,10 @@ class Timeline:
         self.events: list = []
         self.dma_bytes = 0
         self.end = 0.0
+        # No instruction issued after a register load starts before the loaded value is
+        # known: each engine's sequencer reads the register in program order, and what
+        # follows may depend on it (dynamic control flow, data-dependent DMA addresses).
+        self.floor = 0.0
         # A logical core's share of the chip's HBM bandwidth, in bytes per ns.
         self.hbm_bytes_per_ns = profile.hbm_bandwidth / 1e9 / profile.logical_cores(profile.default_lnc) \
             / profile.default_lnc
@@ -83,6 +87,13 @@ class Timeline:
             free = self.free[engine]
         return max(free, self._ready(engine, reads, writes))
 
+    def register_read(self, reads):
+        """A register loaded from ``reads``: everything issued after it waits for the value
+        (its data ready, plus the semaphore that carries it to the engines)."""
+        t = self._ready("register", reads, ())     # a semaphore from the writing engine
+        self.floor = max(self.floor, t)
+        self.end = max(self.end, t)
+
     def delay(self, first: int, delta: float):
         """Move the last-issued instruction (``events[first:]``) ``delta`` ns later: an
         explicit dependency added after it was scheduled (``NkiInstruction.depends_on``).
@@ -125,7 +136,7 @@ class Timeline:
 
     def compute(self, name, engine, cycles, reads, writes, args=None, not_before=0.0):
         dur = self.compute_ns(engine, cycles)
-        start = max(self.free[engine], self._ready(engine, reads, writes), not_before)
+        start = max(self.free[engine], self._ready(engine, reads, writes), not_before, self.floor)
         end = start + dur
         self.free[engine] = end
         self.busy[engine] += dur
@@ -144,7 +155,7 @@ class Timeline:
         p = self.p
         k = len(self.queues) if transpose else max(1, min(p.dma_queues_per_instruction, len(self.queues), rows))
         order = sorted(range(len(self.queues)), key=self.queues.__getitem__)[:k]
-        start = max(self.queues[order[-1]], self._ready("dma", reads, writes), not_before)
+        start = max(self.queues[order[-1]], self._ready("dma", reads, writes), not_before, self.floor)
         # Each contiguous row carries a fixed cost; rows of >= ~2 KiB approach peak.
         eff = efficiency if transpose else efficiency * row_bytes / (row_bytes + p.dma_row_overhead_bytes)
         rate = k * p.dma_queue_bytes_per_ns * max(eff, 1e-3)

@@ -120,3 +120,52 @@ def test_dependent_chain_pays_semaphore_latency():
         nisa.activation(dst=u, op=nl.exp, data=t)               # ScalarE waits on VectorE
     r = bench(k, np.zeros((1, 1), np.float32))
     assert r.latency_ns >= get_profile("trn2").semaphore_ns
+
+
+def test_work_after_a_register_load_waits_for_its_value():
+    """A loaded register may steer what follows (dynamic control flow, DMA addresses), so
+    nothing issued after the load starts before the value is computed, on any engine."""
+    def make(load):
+        @nki.jit
+        def k(a, b):
+            t = nl.ndarray((128, 2048), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=t, src=a)
+            s = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_reduce(dst=s, op=nl.add, data=t, axis=1)      # VectorE, after the DMA
+            if load:
+                r = nisa.register_alloc(0)
+                nisa.register_load(r, s[0:1, 0:1])
+            u = nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=u, src=b)                               # independent of s
+            out = nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.shared_hbm)
+            nisa.dma_copy(dst=out, src=u)
+            return out
+        return k
+    a, b = np.ones((128, 2048), np.float32), np.ones((128, 512), np.float32)
+    free, held = bench(make(False), a, b), bench(make(True), a, b)
+    reduce_end = max(st + d for name, lane, st, d, _ in held.timeline if name == "tensor_reduce")
+    starts = [st for name, lane, st, d, _ in held.timeline if name == "dma_copy"]
+    assert starts[1] >= reduce_end            # b's load waited for the register
+    assert held.latency_ns > free.latency_ns
+
+
+def test_kernel_called_from_a_kernel_joins_its_program():
+    """A jit kernel called inside a running kernel is a sub-kernel: one run, one timeline,
+    its SBUF tiles shared with the caller (NKI-lib's fused blocks are built this way)."""
+    @nki.jit
+    def scale(t):
+        nisa.activation(dst=t, op=nl.copy, data=t, scale=2.0)
+        return t
+
+    @nki.jit
+    def outer(a):
+        t = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=a)
+        t = scale(t)                      # an SBUF tile in and out: only a sub-kernel can
+        out = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=t)
+        return out
+    a = np.arange(128 * 64, dtype=np.float32).reshape(128, 64)
+    r = bench(outer, a)
+    assert np.array_equal(r.outputs, 2 * a)
+    assert [e[0] for e in r.timeline].count("activation") == 1

@@ -27,12 +27,10 @@ VectorE pass; ScalarE computes every activation. Tiles are software-pipelined.
 AWS's implementation choices and change nothing here; ``shard_on_tokens`` splits the tokens
 over an LNC launch (``router_topk[2]``), otherwise every program computes all of them;
 ``skip_store_*`` leave that output unwritten (AWS refuses it for router_logits; here it works).
-``RouterActFnType`` is defined here (AWS keeps it in ``nkilib.core.utils.common_types``);
+``RouterActFnType`` is AWS's (``nkilib.core.utils.common_types``, importable from here too);
 members of any enum named SIGMOID / SOFTMAX are accepted.
 """
 from __future__ import annotations
-
-import enum
 
 from types import SimpleNamespace as _Cfg   # the kernel's operands and options
 
@@ -41,6 +39,7 @@ import nki.isa as nisa
 import nki.language as nl
 from nki import errors as E
 
+from ..utils.common_types import RouterActFnType
 from ..utils.pipeline import pipeline as _pipeline
 
 XHBMLayout_H_T__0 = 0
@@ -53,17 +52,6 @@ XSBLayout__128_Hdiv128_T__3 = 3
 _P = 128
 _E_MAX = 512        # fp32 logits of one token tile fill one PSUM bank
 _NEG = float("-inf")
-
-
-class RouterActFnType(enum.Enum):
-    """The router's activation (AWS's ``common_types.RouterActFnType``; names, 'sigmoid' or
-    'softmax', and AWS's values 0 and 1 are accepted too)."""
-
-    SIGMOID = 0
-    SOFTMAX = 1
-
-    def __str__(self):
-        return self.name.lower()
 
 
 @nki.jit
@@ -93,7 +81,7 @@ def router_topk(x, w, w_bias, router_logits, expert_affinities, expert_index, ac
         lo, hi = pid * share, (T if pid == n_prog - 1 else (pid + 1) * share)
     c = _Cfg(x=x, T=T, H=H, E=E, k=k, act=act, layout=x_hbm_layout, pre=router_pre_norm,
              norm=router_pre_norm and norm_topk_prob, logits=outs[0], index=outs[1], affin=outs[2],
-             eager=eager, store_logits=not skip_store_router_logits,
+             eager=eager, aff_dtype=outs[2].dtype, store_logits=not skip_store_router_logits,
              store_index=not skip_store_expert_index)
     if hi > lo:
         _load_weights(c, w, w_bias)
@@ -197,11 +185,15 @@ def _load_xT(c, t0, tt):
     return xT
 
 
-def _tile(c, t0, tt):
-    """Tokens t0..t0+tt, as stages separated by ``yield``."""
+def _tile(c, t0, tt, xT=None):
+    """Tokens t0..t0+tt, as stages separated by ``yield``. A caller holding x^T in SBUF
+    (``moe_block_tkg``) passes it as ``xT``, its contraction tiles in ``c.w``'s order; the
+    tiles the kernel keeps in SBUF are left in ``c.sb`` (affinities, logits with the top k
+    at -inf)."""
     E_, k = c.E, c.k
     f32 = nl.float32
-    xT = _load_xT(c, t0, tt)
+    if xT is None:
+        xT = _load_xT(c, t0, tt)
     if k % 8:    # the last round knocks out only the k % 8 kept: NaN matches nothing
         knock = nl.ndarray((tt, 8), dtype=f32, buffer=nl.sbuf)
         nisa.memset(dst=knock, value=float("nan"), engine=nisa.gpsimd_engine)
@@ -238,8 +230,10 @@ def _tile(c, t0, tt):
         nisa.dma_copy(dst=c.index[t0:t0 + tt, :], src=idx[:, 0:k])
     yield 1
     aff, top = _affinities(c, lg[:, 0:E_], picked[:, 0:E_], vals[:, 0:k], tt)
+    c.sb = _Cfg(aff=aff, picked=picked)
     yield 1
-    nisa.dma_copy(dst=c.affin[t0:t0 + tt, :], src=aff)
+    if c.affin is not None:
+        nisa.dma_copy(dst=c.affin[t0:t0 + tt, :], src=aff)
     if c.eager is not None:
         nisa.dma_copy(dst=c.eager[t0:t0 + tt, :], src=top)
 
@@ -249,7 +243,7 @@ def _affinities(c, lg, picked, top_logits, tt):
     VectorE pass to mask)."""
     E_, k = c.E, c.k
     f32 = nl.float32
-    aff = nl.ndarray((tt, E_), dtype=c.affin.dtype, buffer=nl.sbuf)
+    aff = nl.ndarray((tt, E_), dtype=c.aff_dtype, buffer=nl.sbuf)
     top = nl.ndarray((tt, k), dtype=f32, buffer=nl.sbuf)
     full = nl.ndarray((tt, E_), dtype=f32, buffer=nl.sbuf)
     softmax = c.act == RouterActFnType.SOFTMAX

@@ -29,3 +29,27 @@ class QuantizationType(Enum):
     MX = 3
     STATIC_MX = 4
     ROW_MX = 5
+
+
+class ExpertAffinityScaleMode(Enum):
+    """When a token's expert outputs are scaled by its affinities (MoE kernels)."""
+    NO_SCALE = 0
+    POST_SCALE = 1
+    PRE_SCALE = 2
+    PRE_SCALE_DELAYED = 3
+
+
+class RouterActFnType(Enum):
+    """The router's activation (names, 'sigmoid' or 'softmax', and AWS's values 0 and 1 are
+    accepted by the kernels too)."""
+    SIGMOID = 0
+    SOFTMAX = 1
+
+    def __str__(self):
+        return self.name.lower()
+
+
+class MoEBlockIOLayout(Enum):
+    """Token layouts of ``moe_block_tkg``'s input and output."""
+    B_S_H = 0
+    _128_Nprgs_Hfree_T = 1

@@ -38,20 +38,11 @@ import nki.isa as nisa
 import nki.language as nl
 from nki import errors as E
 
-from ...utils.common_types import ActFnType
+from ...utils.common_types import ActFnType, ExpertAffinityScaleMode
+from ..expert_act import act_fn, combine
 
 _BANK_F32 = 512          # fp32 values per partition in one 2 KiB PSUM bank
 _I_CHUNK = 512           # columns of the gate and of the up projection loaded per DMA
-_ACT = {ActFnType.SiLU: nl.silu, ActFnType.GELU: nl.gelu,
-        ActFnType.GELU_Tanh_Approx: nl.gelu_apprx_tanh, ActFnType.Swish: nl.gelu_apprx_sigmoid}
-
-
-class ExpertAffinityScaleMode(Enum):
-    """AWS's affinity scaling modes (``nkilib.core.utils.common_types`` in AWS's library)."""
-    NO_SCALE = 0
-    POST_SCALE = 1
-    PRE_SCALE = 2
-    PRE_SCALE_DELAYED = 3
 
 
 class MoECTEImplementation(Enum):
@@ -119,8 +110,7 @@ def moe_cte(hidden_states, expert_affinities_masked, gate_up_proj_weight, down_p
     mode = getattr(expert_affinities_scaling_mode, "name", str(expert_affinities_scaling_mode))
     if mode not in ("POST_SCALE", "NO_SCALE"):
         _unsupported(f"expert_affinities_scaling_mode {mode}")
-    act = _ACT.get(activation_function) or next(
-        (f for k, f in _ACT.items() if k.name == getattr(activation_function, "name", None)), None)
+    act = act_fn(activation_function)
     if act is None:
         _unsupported(f"activation_function {activation_function}")
     if nl.num_programs(0) > 1:
@@ -298,46 +288,9 @@ def _gate_up(c, e, g):
                 for k in range(c.kh):
                     nisa.nc_matmul(dst=up, stationary=w[:, k, 1, s0:s0 + iw],
                                    moving=g.hT[:, b0:b0 + bw, k], accumulate=k > 0)
-                _combine(c, gp, up, actT[0:iw, ci, b0:b0 + bw],
+                combine(c, gp, up, actT[0:iw, ci, b0:b0 + bw],
                          None if bias is None else bias[0:iw, ci, :])
     return actT
-
-
-def _combine(c, gp, up, dst, bias):
-    """act(gate) on ScalarE straight from PSUM, times up on VectorE; clamps on VectorE."""
-    rows, cols = gp.shape
-    src, b = gp, None if bias is None else bias[:, 0:1]
-    lo, hi = c.gclamp
-    if lo is not None or hi is not None:
-        src = _clamp(gp, b, lo, hi)
-        b = None
-    a = nl.ndarray((rows, cols), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=a, op=c.act, data=src, bias=b)
-    u, ub = up, None if bias is None else bias[:, 1:2]
-    lo, hi = c.uclamp
-    if lo is not None or hi is not None:
-        u, ub = _clamp(up, ub, lo, hi), None
-    if ub is not None:
-        nisa.scalar_tensor_tensor(dst=dst, data=u, op0=nl.add, operand0=ub, op1=nl.multiply,
-                                  operand1=a)
-    else:
-        nisa.tensor_tensor(dst=dst, data1=u, data2=a, op=nl.multiply)
-
-
-def _clamp(src, bias, lo, hi):
-    rows, cols = src.shape
-    t = nl.ndarray((rows, cols), dtype=nl.float32, buffer=nl.sbuf)
-    if bias is not None:
-        nisa.tensor_scalar(dst=t, data=src, op0=nl.add, operand0=bias)
-        src = t
-    ops = [(nl.maximum, float(lo))] if lo is not None else []
-    ops += [(nl.minimum, float(hi))] if hi is not None else []
-    if len(ops) == 2:
-        nisa.tensor_scalar(dst=t, data=src, op0=ops[0][0], operand0=ops[0][1], op1=ops[1][0],
-                           operand1=ops[1][1])
-    else:
-        nisa.tensor_scalar(dst=t, data=src, op0=ops[0][0], operand0=ops[0][1])
-    return t
 
 
 def _down(c, e, g, actT):
