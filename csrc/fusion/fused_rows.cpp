@@ -274,9 +274,35 @@ void fold_cats(RowPlan& p) {
 //   eager's range;
 // - by row: the last dim does not coalesce with the rows (an operand broadcasts along one of
 //   them), so eager's calls are whole rows, as the blocks' are, provided no thread range
-//   starts inside a row.
+//   starts inside a row;
+// - strided: binary arithmetic (add, sub, mul, div: cpu_kernel_vec) reading an operand with a
+//   step along the last dim (RoPE's x[..., ::2]). Its vector loop needs every operand
+//   contiguous or a scalar along the innermost dim, which stays the last dim (the output is
+//   row-major, rows whole), so eager's calls and the blocks' alike run the scalar loop on
+//   every element. (Ops ATen maps through VML copy strided inputs into 8 KiB buffers first,
+//   where an element's place does matter: not these.)
+bool strided_scalar_loop(const Op& op, const std::vector<Ref>& refs) {
+  static const std::set<std::string> binary = {"aten::add", "aten::sub", "aten::mul", "aten::div",
+                                                "aten::add_", "aten::sub_", "aten::mul_", "aten::div_"};
+  if (op.name == nullptr || !binary.count(op.name)) return false;
+  const int R = int(op.shape.size());
+  if (R < 1 || op.shape.back() < 2) return false;
+  bool strided = false;
+  for (const auto& r : refs) {
+    const int j = R - 1 - r.shift;
+    if (r.write) {
+      if (!(r.sizes == op.shape && r.shift == 0 && contiguous(r.sizes, r.strides))) return false;
+      continue;
+    }
+    if (j < 0 || j >= int(r.sizes.size()) || r.sizes[j] == 1) continue;   // a scalar along it
+    strided = strided || (r.strides[j] != 1 && r.strides[j] != 0);
+  }
+  return strided;
+}
+
 bool loops_match_eager(const RowPlan& p, const Op& op, const std::vector<Ref>& refs) {
   const auto& O = op.shape;
+  if (strided_scalar_loop(op, refs)) return true;
   bool flat = true;
   for (const auto& r : refs) flat = flat && r.sizes == O && r.shift == 0 && contiguous(r.sizes, r.strides);
   const auto ranges = eager_ranges(op.numel);

@@ -188,3 +188,30 @@ def test_products_with_a_nan_scalar_over_rows_eager_coalesces(shape):
         s = x.sum(-1, keepdim=True)
         return [(x + s) * float("nan"), float("nan") * (x - s)]
     assert _check(program, x)["one_pass_ops"] >= 4
+
+
+def _random_bits(shape, dtype, seed):
+    """Every bit pattern equally likely: NaNs of many payloads and signs, infinities, -0.0."""
+    g = torch.Generator().manual_seed(seed)
+    ints = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}[dtype]
+    info = torch.iinfo(ints)
+    return torch.randint(info.min, info.max, shape, generator=g, dtype=torch.int64).to(ints).view(dtype)
+
+
+def _rope_interleaved(x, cos, sin):
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    return [x1 * cos - x2 * sin, x1 * sin + x2 * cos, x2 / cos, x1 * 0.5 + x2]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", [(16, 64, 1024), (3, 301, 1000), (7, 33, 130)], ids=str)
+def test_strided_operands_fuse_with_eager_nan_bits(dtype, shape):
+    # x[..., ::2] steps along the last dim: ATen's binary arithmetic runs its scalar loop on
+    # every element there, in eager and in blocks, so those ops join a rows window in every
+    # dtype, and every NaN keeps eager's bits (random bit patterns: NaNs of all payloads).
+    x = _random_bits(shape, dtype, 1)
+    cos = _random_bits(shape[1:-1] + (shape[-1] // 2,), dtype, 2)
+    sin = _random_bits(shape[1:-1] + (shape[-1] // 2,), dtype, 3)
+    stats = _check(_rope_interleaved, x, cos, sin)
+    if x.numel() >= 2 ** 17:
+        assert stats["fused_ops"] >= 6, stats
