@@ -319,3 +319,24 @@ def test_block_faster_than_its_parts(target, all_expert):
     _close(block.outputs[0], np.asarray(experts.outputs, np.float32), 3e-2)
     parts = norm.latency_ns + router.latency_ns + experts.latency_ns
     assert block.latency_ns < parts, (block.latency_ns, parts)
+
+
+def test_large_hidden_in_fp32_fits_sbuf():
+    """T = 128 tokens of H = 8192 in fp32: the weight chunks also split the contraction and
+    the output is rounded by column blocks, so the stage fits SBUF beside its accumulator."""
+    rng = np.random.default_rng(8)
+    T, H, I, E_, K = 128, 8192, 256, 2, 1
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    wgu, wd = _weights(E_, H, I, np.float32, rng)
+    aff, idx = _routing(T, E_, K, rng)
+    out = nki.simulate(moe_tkg, platform_target="trn2")(
+        x, wgu, wd, aff, idx, False, expert_affinities_scaling_mode=M.POST_SCALE)
+    _close(out, _ref(x, wgu, wd, _picked(idx, E_) * _d(aff)), 1e-5)
+    gamma = np.ones((1, H), np.float32)
+    wr = (rng.standard_normal((H, E_)) / np.sqrt(H)).astype(np.float32)
+    (out,) = nki.simulate(moe_block_tkg, platform_target="trn2")(
+        x, gamma, wr, wgu, wd, top_k=K, router_act_fn=RouterActFnType.SOFTMAX,
+        expert_affinities_scaling_mode=M.POST_SCALE, router_mm_dtype=np.float32,
+        skip_router_logits=True)
+    ref, _ = _block_ref(x, gamma, wr, wgu, wd, K, "softmax", True, False)
+    _close(out, ref, 1e-5)

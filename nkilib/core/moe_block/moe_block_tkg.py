@@ -38,8 +38,9 @@ import nki.isa as nisa
 import nki.language as nl
 from nki import errors as E
 
-from ..moe.moe_tkg.moe_tkg import config, run_experts, transpose_hidden, used_experts
-from ..router_topk.router_topk import _act, _tile
+from ..moe.moe_tkg.moe_tkg import (alloc_rings, config, run_experts, store, transpose_hidden,
+                                    used_experts)
+from ..router_topk.router_topk import router_act, tile_stages
 from ..utils.common_types import (ActFnType, ExpertAffinityScaleMode, MoEBlockIOLayout,
                                   RouterActFnType)
 
@@ -139,6 +140,7 @@ def moe_block_tkg(inp, gamma, router_weights, expert_gate_up_weights, expert_dow
     xT = _rmsnorm_T(c, inp.reshape((T, H)), gamma, eps, hidden_actual)
     rc = _router(c, xT, router_weights, router_bias, n_exp, top_k, router_act_fn,
                  router_pre_norm, norm_topk_prob, router_mm_dtype, logits)
+    alloc_rings(c)
     sel = nl.ndarray((T, c.E), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=sel, data=rc.sb.picked[:, base:base + c.E], op0=nl.equal,
                        operand0=float("-inf"))
@@ -151,9 +153,7 @@ def moe_block_tkg(inp, gamma, router_weights, expert_gate_up_weights, expert_dow
         wsel = None
     experts = list(range(c.E)) if is_all_expert else used_experts(c, sel)
     acc = run_experts(c, xT, wsel, experts)
-    o = nl.ndarray((T, H), dtype=inp.dtype, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=o, src=acc)
-    nisa.dma_copy(dst=out, src=o)
+    store(acc, out)
     return outs
 
 
@@ -167,28 +167,31 @@ def _rmsnorm_T(c, x_hbm, gamma, eps, hidden_actual):
     n = float(hidden_actual or c.H)
     x = nl.ndarray((T, c.H), dtype=c.dt, buffer=nl.sbuf)
     nisa.dma_copy(dst=x, src=x_hbm)
-    # gamma at [p, k, t] (row p * kh + k, as xT), times sqrt(n): rsqrt(ss / n + eps) is
+    # gamma at [p, k] (row p * kh + k, as xT), times sqrt(n): rsqrt(ss / n + eps) is
     # sqrt(n) * rsqrt(ss + n * eps). Off the critical path: it waits only for its DMA.
-    g = nl.ndarray((_P, kh, T), dtype=gamma.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=g, src=gamma.reshape((_P, kh)).ap([[kh, _P], [1, kh], [0, T]]))
+    g = nl.ndarray((_P, kh), dtype=nl.float32, buffer=nl.sbuf)
+    gl = nl.ndarray((_P, kh), dtype=gamma.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=gl, src=gamma.reshape((_P, kh)))
+    nisa.tensor_scalar(dst=g, data=gl, op0=nl.multiply, operand0=math.sqrt(n),
+                       engine=nisa.gpsimd_engine)
     ones = nl.ndarray((_P, _P), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=ones, value=1.0, engine=nisa.gpsimd_engine)
     xT = transpose_hidden(c, x)
-    xg = nl.ndarray((_P, kh, T), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.scalar_tensor_tensor(dst=xg, data=g, op0=nl.multiply, operand0=math.sqrt(n),
-                              op1=nl.multiply, operand1=xT)
-    sq = nl.ndarray((_P, kh, T), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=sq, data1=xT, data2=xT, op=nl.multiply)
+    del x
+    t = nl.ndarray((_P, kh, T), dtype=nl.float32, buffer=nl.sbuf)    # squares, then x * gamma
+    nisa.tensor_tensor(dst=t, data1=xT, data2=xT, op=nl.multiply)
     part = nl.ndarray((_P, T), dtype=nl.float32, buffer=nl.sbuf)     # over k, per partition
-    nisa.tensor_reduce(dst=part, op=nl.add, data=sq.ap(pattern=[[kh * T, _P], [1, T], [T, kh]]),
+    nisa.tensor_reduce(dst=part, op=nl.add, data=t.ap(pattern=[[kh * T, _P], [1, T], [T, kh]]),
                        axis=2)
     ss = nl.ndarray((_P, T), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_matmul(dst=ss, stationary=ones, moving=part)
+    nisa.tensor_tensor(dst=t, data1=xT, data2=g.ap(pattern=[[kh, _P], [1, kh], [0, T]]),
+                       op=nl.multiply)
     rstd = nl.ndarray((_P, T), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=rstd, data=ss, op0=nl.add, operand0=n * float(eps), op1=nl.power,
                        operand1=-0.5)
     xn = nl.ndarray((_P, kh, T), dtype=c.dt, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=xn, data1=xg, data2=rstd.ap(pattern=[[T, _P], [0, kh], [1, T]]),
+    nisa.tensor_tensor(dst=xn, data1=t, data2=rstd.ap(pattern=[[T, _P], [0, kh], [1, T]]),
                        op=nl.multiply)
     return xn
 
@@ -208,7 +211,7 @@ def _router(c, xT, w, w_bias, n_exp, k, act_fn, pre_norm, norm_topk_prob, mm_dty
         xm = nl.ndarray(tuple(xT.shape), dtype=mm, buffer=nl.sbuf)
         nisa.tensor_copy(dst=xm, src=xT)
         xT = xm
-    rc = _Cfg(T=c.T, H=c.H, E=n_exp, k=k, act=_act(act_fn), pre=pre_norm,
+    rc = _Cfg(T=c.T, H=c.H, E=n_exp, k=k, act=router_act(act_fn), pre=pre_norm,
               norm=pre_norm and norm_topk_prob, logits=logits, index=None, affin=None,
               eager=None, aff_dtype=nl.float32, store_logits=logits is not None,
               store_index=False, w=wl, bias=None)
@@ -219,6 +222,6 @@ def _router(c, xT, w, w_bias, n_exp, k, act_fn, pre_norm, norm_topk_prob, mm_dty
         nisa.tensor_copy(dst=rc.bias, src=b)
         rc.ones = nl.ndarray((1, _P), dtype=mm, buffer=nl.sbuf)
         nisa.memset(dst=rc.ones, value=1.0, engine=nisa.gpsimd_engine)
-    for _ in _tile(rc, 0, c.T, xT=xT):
+    for _ in tile_stages(rc, 0, c.T, xT=xT):
         pass
     return rc

@@ -61,7 +61,7 @@ def router_topk(x, w, w_bias, router_logits, expert_affinities, expert_index, ac
                 use_PE_broadcast_w_bias=False, shard_on_tokens=False, skip_store_expert_index=False,
                 skip_store_router_logits=False):
     """Router logits, top-k expert indices and expert affinities (see the module docstring)."""
-    act = _act(act_fn)
+    act = router_act(act_fn)
     T, H, E = _check(x, w, w_bias, k, x_hbm_layout, x_sb_layout)
     outs = []
     for t, shape, dt, what in ((router_logits, (T, E), x.dtype, "router_logits"),
@@ -85,11 +85,12 @@ def router_topk(x, w, w_bias, router_logits, expert_affinities, expert_index, ac
              store_index=not skip_store_expert_index)
     if hi > lo:
         _load_weights(c, w, w_bias)
-        _pipeline([_tile(c, t0, min(_P, hi - t0)) for t0 in range(lo, hi, _P)])
+        _pipeline([tile_stages(c, t0, min(_P, hi - t0)) for t0 in range(lo, hi, _P)])
     return outs + ([eager] if return_eager_affi else [])
 
 
-def _act(act_fn):
+def router_act(act_fn):
+    """The RouterActFnType an ``act_fn`` names (a member, its name or AWS's value)."""
     if isinstance(act_fn, RouterActFnType):
         return act_fn
     key = getattr(act_fn, "name", act_fn)
@@ -185,7 +186,7 @@ def _load_xT(c, t0, tt):
     return xT
 
 
-def _tile(c, t0, tt, xT=None):
+def tile_stages(c, t0, tt, xT=None):
     """Tokens t0..t0+tt, as stages separated by ``yield``. A caller holding x^T in SBUF
     (``moe_block_tkg``) passes it as ``xT``, its contraction tiles in ``c.w``'s order; the
     tiles the kernel keeps in SBUF are left in ``c.sb`` (affinities, logits with the top k

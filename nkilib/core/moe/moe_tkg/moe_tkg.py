@@ -24,8 +24,8 @@ Two modes, as AWS's:
 
 Matmuls run in the weights' dtype with fp32 PSUM accumulation; the experts' outputs add in
 fp32 in SBUF and are rounded once to ``output_dtype``. Gate/up weights stream in chunks of I
-(24 KiB per partition), the down weights in blocks of at most 512 columns (16 KiB), through
-SBUF rings three deep, so the DMA queues run two chunks ahead of TensorE. Hidden index p * (H / 128) + k sits on partition p,
+(up to 24 KiB per partition; H too where SBUF is short), the down weights in blocks of up to
+16 KiB, through SBUF rings four deep, so the DMA queues run ahead of TensorE. Hidden index p * (H / 128) + k sits on partition p,
 chunk k, where the weights' rows are contiguous per partition.
 
 Implemented: bf16/fp16/fp32 inputs (hidden and weights one dtype), T <= 128, H a multiple of
@@ -48,10 +48,11 @@ from ..expert_act import act_fn, combine
 
 _P = 128
 _BANK = 512                 # fp32 values per partition in one PSUM bank
-_W_BYTES = 24 * 1024        # per partition: one gate/up weight chunk
-_D_BYTES = 16 * 1024        # per partition: one down-projection weight block
+_W_BYTES = 24 * 1024        # per partition: one gate/up weight chunk, at most
+_D_BYTES = 16 * 1024        # per partition: one down-projection weight block, at most
 _SLOTS = 4
 _W_SLOTS = 4
+_OUT_COLS = 2048            # output columns rounded and stored per step
 
 
 def _unsupported(what):
@@ -145,12 +146,12 @@ def moe_tkg(hidden_input, expert_gate_up_weights, expert_down_weights, expert_af
             nisa.tensor_tensor(dst=wsel, data1=sel.count, data2=aff, op=nl.multiply)
     elif sel is not None:
         wsel = sel.eager if (c.scale and sel.eager is not None) else sel.count
+    alloc_rings(c)
     experts = list(range(c.E)) if is_all_expert else used_experts(c, sel.count)
     xT = transpose_hidden(c, x)
+    del x           # its SBUF goes back to the rings' neighbours
     acc = run_experts(c, xT, wsel, experts)
-    o = nl.ndarray((T, H), dtype=out_dt, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=o, src=acc)
-    nisa.dma_copy(dst=out, src=o)
+    store(acc, out)
     return out
 
 
@@ -183,31 +184,44 @@ def config(dt, T, H, wgu, wd, bgu, bd, scaling_mode, activation, gclamp, uclamp)
         _unsupported(f"activation_fn {activation}")
     kh, ni = H // _P, -(-I // _P)
     isz = wdt.itemsize
-    icw = max(_P, min(ni * _P, _W_BYTES // (kh * 2 * isz) // _P * _P))
-    hwd = _D_BYTES // (ni * isz)
+    # The rings get what the stage's other tiles leave of each partition (the accumulator, x
+    # and x^T, and a margin), four slots each: up to 24 KiB per weight chunk and 16 KiB per block.
+    left = nl.tile_size.total_available_sbuf_size - H * (4 + isz) - 2 * kh * T * isz - 8192
+    w_bytes = max(2 * _P * isz, min(_W_BYTES, left * 6 // 10 // _W_SLOTS))
+    d_bytes = max(32 * ni * isz, min(_D_BYTES, left * 4 // 10 // _W_SLOTS))
+    icw = max(_P, min(ni * _P, w_bytes // (kh * 2 * isz) // _P * _P))
+    kc = min(kh, max(1, w_bytes // (2 * icw * isz)))
+    hwd = d_bytes // (ni * isz)
     hwd = min(H, hwd // _BANK * _BANK if hwd >= _BANK else max(32, hwd // 32 * 32))
-    c = _Cfg(dt=wdt, T=T, H=H, I=I, E=n_exp, kh=kh, ni=ni, icw=icw, hwd=hwd, act=act,
+    c = _Cfg(dt=wdt, T=T, H=H, I=I, E=n_exp, kh=kh, ni=ni, icw=icw, kc=kc, hwd=hwd, act=act,
              scale=mode == "POST_SCALE", wgu=wgu, wd=wd, bgu=bgu, bd=bd, gclamp=gclamp,
              uclamp=uclamp)
-    # SBUF rings, allocated once (tiles allocated per use fragment SBUF over many experts):
-    # four weight chunks and blocks in flight, so the DMA queues run ahead of TensorE;
-    # two expert activations (this expert's and the next's, computed ahead)
-    c.w_ring = nl.ndarray((_P, _W_SLOTS, kh, 2, icw), dtype=wdt, buffer=nl.sbuf)
-    c.d_ring = nl.ndarray((_P, _W_SLOTS, ni, hwd), dtype=wdt, buffer=nl.sbuf)
-    c.a_ring = nl.ndarray((_P, 2, ni, T), dtype=wdt, buffer=nl.sbuf)
-    c.b_ring = nl.ndarray((_P, 2, ni, 2), dtype=nl.float32, buffer=nl.sbuf) if bgu is not None else None
-    c.bd_ring = nl.ndarray((T, 2, _BANK), dtype=nl.float32, buffer=nl.sbuf) if bd is not None else None
-    c.n_w = c.n_d = c.n_a = c.n_bd = 0
+    return c
+
+
+def alloc_rings(c):
+    """The expert stage's SBUF and PSUM rings; allocated once the caller's large temporaries
+    are gone (at large H they would not fit together)."""
+    T, I, kh, ni, icw, kc, hwd, wdt = c.T, c.I, c.kh, c.ni, c.icw, c.kc, c.hwd, c.dt
+    # down-projection results [T, 512]: a bank each, 4 in turn (one expert's H/512 blocks
+    # and the next's do not wait for VectorE to empty the bank before)
+    c.y_ring = nl.ndarray((_P, _SLOTS, _BANK), dtype=nl.float32, buffer=nl.psum)
     # gate/up results [I-slice, T] in turn: 4 to 16 slots each (one bank), so TensorE runs
     # that many slices ahead of the activation's ScalarE -> VectorE chain
     c.gu_slots = max(_SLOTS, min(16, _BANK // T))
     c.g_ring = nl.ndarray((_P, c.gu_slots, T), dtype=nl.float32, buffer=nl.psum)
     c.u_ring = nl.ndarray((_P, c.gu_slots, T), dtype=nl.float32, buffer=nl.psum)
-    # down-projection results [T, 512]: a bank each, 4 in turn (one expert's H/512 blocks
-    # and the next's do not wait for VectorE to empty the bank before)
-    c.y_ring = nl.ndarray((_P, _SLOTS, _BANK), dtype=nl.float32, buffer=nl.psum)
+    # SBUF rings, allocated once (tiles allocated per use fragment SBUF over many experts):
+    # four weight chunks and blocks in flight, so the DMA queues run ahead of TensorE;
+    # two expert activations (this expert's and the next's, computed ahead)
+    c.w_slots = _W_SLOTS
+    c.w_ring = nl.ndarray((_P, _W_SLOTS, kc, 2, icw), dtype=wdt, buffer=nl.sbuf)
+    c.d_ring = nl.ndarray((_P, _W_SLOTS, ni, hwd), dtype=wdt, buffer=nl.sbuf)
+    c.a_ring = nl.ndarray((_P, 2, ni, T), dtype=wdt, buffer=nl.sbuf)
+    c.b_ring = nl.ndarray((_P, 2, ni, 2), dtype=nl.float32, buffer=nl.sbuf) if c.bgu is not None else None
+    c.bd_ring = nl.ndarray((T, 2, _BANK), dtype=nl.float32, buffer=nl.sbuf) if c.bd is not None else None
+    c.n_w = c.n_d = c.n_a = c.n_bd = 0
     c.n_gu = c.n_y = 0
-    return c
 
 
 def transpose_hidden(c, x):
@@ -301,6 +315,25 @@ def run_experts(c, xT, wsel, experts):
     return acc
 
 
+def store(acc, out):
+    """acc [T, H] fp32 into out in HBM: directly, or rounded to out's dtype by column blocks
+    (a [T, H] tile of its own would not fit SBUF beside the rings at large H)."""
+    T, H = acc.shape
+    if out.dtype == acc.dtype:
+        nisa.dma_copy(dst=out, src=acc)
+        return
+    w = min(H, _OUT_COLS)
+    ring = nl.ndarray((T, 2, w), dtype=out.dtype, buffer=nl.sbuf)
+    for n, h0 in enumerate(range(0, H, w)):
+        hw = min(w, H - h0)
+        o = ring[:, n % 2, 0:hw]
+        if n % 2:
+            nisa.activation(dst=o, op=nl.copy, data=acc[:, h0:h0 + hw])
+        else:
+            nisa.tensor_copy(dst=o, src=acc[:, h0:h0 + hw])
+        nisa.dma_copy(dst=out[:, h0:h0 + hw], src=o)
+
+
 def _groups(n, parts=4):
     step = -(-n // parts)
     return [(j0, min(step, n - j0)) for j0 in range(0, n, step)]
@@ -321,22 +354,28 @@ def _gate_up(c, e, xT):
                               src=c.bgu[e, j, ci * _P:ci * _P + iw].reshape((iw, 1)))
     for i0 in range(0, I, c.icw):
         icw = min(c.icw, I - i0)
-        w = c.w_ring[:, c.n_w % _W_SLOTS, :, :, 0:icw]
-        c.n_w += 1
-        for k0, nk in _groups(kh):     # a DMA spreads over 4 of the 16 queues: use them all
-            nisa.dma_copy(dst=w[:, k0:k0 + nk], src=w_e[:, k0:k0 + nk, :, i0:i0 + icw])
+        slices = []
         for s0 in range(0, icw, _P):
-            iw, ci = min(_P, icw - s0), (i0 + s0) // _P
             slot = c.n_gu % c.gu_slots
             c.n_gu += 1
-            gp = c.g_ring[0:iw, slot, 0:T]
-            up = c.u_ring[0:iw, slot, 0:T]
-            for k in range(kh):
-                nisa.nc_matmul(dst=gp, stationary=w[:, k, 0, s0:s0 + iw], moving=xT[:, k, :],
-                               accumulate=k > 0)
-            for k in range(kh):
-                nisa.nc_matmul(dst=up, stationary=w[:, k, 1, s0:s0 + iw], moving=xT[:, k, :],
-                               accumulate=k > 0)
+            iw = min(_P, icw - s0)
+            slices.append((s0, iw, c.g_ring[0:iw, slot, 0:T], c.u_ring[0:iw, slot, 0:T]))
+        # The contraction in chunks of kc rows per partition where one chunk of all of H would
+        # not fit its SBUF slot (large H in fp32); the products accumulate across chunks.
+        for k0 in range(0, kh, c.kc):
+            kc = min(c.kc, kh - k0)
+            w = c.w_ring[:, c.n_w % c.w_slots, 0:kc, :, 0:icw]
+            c.n_w += 1
+            for g0, ng in _groups(kc):     # a DMA spreads over 4 of the 16 queues: use them all
+                nisa.dma_copy(dst=w[:, g0:g0 + ng],
+                              src=w_e[:, k0 + g0:k0 + g0 + ng, :, i0:i0 + icw])
+            for s0, iw, gp, up in slices:
+                for j, dst in ((0, gp), (1, up)):
+                    for k in range(kc):
+                        nisa.nc_matmul(dst=dst, stationary=w[:, k, j, s0:s0 + iw],
+                                       moving=xT[:, k0 + k, :], accumulate=k0 + k > 0)
+        for s0, iw, gp, up in slices:
+            ci = (i0 + s0) // _P
             combine(c, gp, up, actT[0:iw, ci, :], None if bias is None else bias[0:iw, ci, :])
     c.n_a += 1
     return actT
