@@ -185,8 +185,12 @@ def test_moe_tkg_rejects():
         run(x.astype(BF16), wgu, wd, aff, idx, False)
     with pytest.raises(E.UnsupportedError, match="PRE_SCALE"):
         run(x, wgu, wd, aff, idx, False, expert_affinities_scaling_mode=M.PRE_SCALE)
-    # the simulator is usable afterwards
-    assert run(x, wgu, wd, aff, idx, False).shape == (4, 256)
+    # the simulator is usable afterwards; AWS's harness entry and an LNC=2 launch agree
+    out = run(x, wgu, wd, aff, idx, False)
+    assert out.shape == (4, 256)
+    kw = dict(hidden_input=x, expert_gate_up_weights=wgu, expert_down_weights=wd,
+              expert_affinities=aff, expert_index=idx, is_all_expert=False)
+    assert np.array_equal(nki.cpu_simulate(moe_tkg)[2](**kw), out)
 
 
 def _weight_bytes_per_ns(target):
