@@ -300,9 +300,54 @@ bool strided_scalar_loop(const Op& op, const std::vector<Ref>& refs) {
   return strided;
 }
 
+// - aligned over outer broadcasts: every operand contiguous, of the iteration shape or
+//   broadcast along leading dims only (a [S, D] table over [B, S, D]), so eager's loop calls
+//   are its thread ranges cut every L elements (L the trailing extent all operands share).
+//   With L, eager's range starts and the block cuts all multiples of kAlign, every call of
+//   eager's and of the blocks' is a whole number of vectors long: every element is computed
+//   in the vector loop both ways.
+bool aligned_over_outer_broadcasts(const RowPlan& p, const Op& op, const std::vector<Ref>& refs) {
+  const auto& O = op.shape;
+  const int R = int(O.size());
+  if (R < 2) return false;
+  int M = 0;  // the first dim from which every operand has the whole size
+  for (const auto& r : refs) {
+    if (!contiguous(r.sizes, r.strides)) return false;
+    if (r.write) {
+      if (!(r.sizes == O && r.shift == 0)) return false;
+      continue;
+    }
+    auto size = [&](int j) {
+      const int jj = j - r.shift;
+      return jj >= 0 && jj < int(r.sizes.size()) ? r.sizes[jj] : int64_t(1);
+    };
+    int m = R;
+    while (m > 0 && size(m - 1) == O[m - 1]) --m;
+    for (int j = 0; j < m; ++j) {
+      if (size(j) != 1) return false;  // broadcast along a dim with whole dims before it
+    }
+    M = std::max(M, m);
+  }
+  if (M >= R) return false;
+  int64_t L = 1;
+  for (int j = M; j < R; ++j) L *= O[j];
+  if (L % kAlign != 0) return false;
+  for (const auto& r : eager_ranges(op.numel)) {
+    if (r.first % kAlign != 0) return false;
+  }
+  int64_t inner_o = 1;
+  for (size_t m = p.bd + 1; m < O.size(); ++m) inner_o *= O[m];
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    const int64_t e = ((b / p.per_outer) * p.rows[p.bd] + (b % p.per_outer) * p.len) * inner_o;
+    if (e % kAlign != 0) return false;
+  }
+  return true;
+}
+
 bool loops_match_eager(const RowPlan& p, const Op& op, const std::vector<Ref>& refs) {
   const auto& O = op.shape;
   if (strided_scalar_loop(op, refs)) return true;
+  if (op.shape.size() == p.rows.size() + 1 && aligned_over_outer_broadcasts(p, op, refs)) return true;
   bool flat = true;
   for (const auto& r : refs) flat = flat && r.sizes == O && r.shift == 0 && contiguous(r.sizes, r.strides);
   const auto ranges = eager_ranges(op.numel);

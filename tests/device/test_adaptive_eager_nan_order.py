@@ -215,3 +215,23 @@ def test_strided_operands_fuse_with_eager_nan_bits(dtype, shape):
     stats = _check(_rope_interleaved, x, cos, sin)
     if x.numel() >= 2 ** 17:
         assert stats["fused_ops"] >= 6, stats
+
+
+def _table_over_batch(x, table):
+    y = x * table                      # a [S, D] table over [B, S, D]
+    return [y * x - table, (y + x) * 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", [(16, 64, 1024), (8, 16, 384), (3, 301, 1000), (5, 7, 2048)],
+                         ids=str)
+def test_tables_broadcast_over_leading_dims_keep_eager_nan_bits(dtype, shape):
+    # Eager runs x * table as loop calls cut at every S * D elements; where that extent, its
+    # thread ranges and the blocks all fall on 128-element steps, every element is computed
+    # in the vector loop both ways and such ops join in bf16/fp16 too; elsewhere they must not
+    # (random bit patterns: NaNs of every payload).
+    x = _random_bits(shape, dtype, 4)
+    table = _random_bits(shape[1:], dtype, 5)
+    stats = _check(_table_over_batch, x, table)
+    if shape == (16, 64, 1024):
+        assert stats["fused_ops"] >= 5, stats
