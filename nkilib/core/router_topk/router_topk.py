@@ -40,6 +40,7 @@ import nki.language as nl
 from nki import errors as E
 
 from ..utils.common_types import RouterActFnType
+from ..utils.dma import runs as _runs
 from ..utils.pipeline import pipeline as _pipeline
 
 XHBMLayout_H_T__0 = 0
@@ -133,20 +134,13 @@ def _h_tiles(H):
     return [(h0, min(_P, H - h0)) for h0 in range(0, H, _P)]
 
 
-def _groups(n, parts=4):
-    """n contraction tiles as up to ``parts`` runs (j0, count), one DMA each: a DMA spreads
-    over 4 of the 16 queues, and the first matmuls need only the first run."""
-    step = -(-n // parts) if n else 1
-    return [(j0, min(step, n - j0)) for j0 in range(0, n, step)]
-
-
 def _load_weights(c, w, w_bias):
     """w as [128, H/128, E] (contraction tile j on dim 1); the bias as a [1, E] row and a row
     of ones to add it with one more matmul."""
     E_, nh = c.E, len(_h_tiles(c.H))
     c.w = nl.ndarray((_P, nh, E_), dtype=w.dtype, buffer=nl.sbuf)
     full = c.H // _P
-    for j0, n in _groups(full):
+    for j0, n in _runs(full):
         nisa.dma_copy(dst=c.w[:, j0:j0 + n, :],
                       src=w.ap(pattern=[[E_, _P], [_P * E_, n], [1, E_]], offset=j0 * _P * E_))
     if c.H % _P:
@@ -166,14 +160,14 @@ def _load_xT(c, t0, tt):
     xT = nl.ndarray((_P, len(tiles), tt), dtype=x.dtype, buffer=nl.sbuf)
     if c.layout == XHBMLayout_H_T__0:
         full = H // _P
-        for j0, n in _groups(full):
+        for j0, n in _runs(full):
             nisa.dma_copy(dst=xT[:, j0:j0 + n, :],
                           src=x.ap(pattern=[[c.T, _P], [_P * c.T, n], [1, tt]], offset=j0 * _P * c.T + t0))
         if H % _P:
             nisa.dma_copy(dst=xT[0:H % _P, full, :], src=x[full * _P:H, t0:t0 + tt])
         return xT
     xs = nl.ndarray((tt, H), dtype=x.dtype, buffer=nl.sbuf)
-    for j0, n in _groups(len(tiles)):
+    for j0, n in _runs(len(tiles)):
         a, b = j0 * _P, min(H, (j0 + n) * _P)
         nisa.dma_copy(dst=xs[:, a:b], src=x[t0:t0 + tt, a:b])
     for j, (h0, hs) in enumerate(tiles):

@@ -45,6 +45,7 @@ import nki.language as nl
 from nki import errors as E
 
 from ...utils.common_types import ActFnType, ExpertAffinityScaleMode
+from ...utils.dma import runs as _runs
 from ..expert_act import act_fn, combine
 
 _P = 128
@@ -335,11 +336,6 @@ def store(acc, out):
         nisa.dma_copy(dst=out[:, h0:h0 + hw], src=o)
 
 
-def _groups(n, parts=4):
-    step = -(-n // parts)
-    return [(j0, min(step, n - j0)) for j0 in range(0, n, step)]
-
-
 def _gate_up(c, e, xT):
     """actT [128, ceil(I/128), T] = act(x Wg + bg) * (x Wu + bu), I on partitions."""
     T, I, kh = c.T, c.I, c.kh
@@ -367,7 +363,7 @@ def _gate_up(c, e, xT):
             kc = min(c.kc, kh - k0)
             w = c.w_ring[:, c.n_w % c.w_slots, 0:kc, :, 0:icw]
             c.n_w += 1
-            for g0, ng in _groups(kc):     # a DMA spreads over 4 of the 16 queues: use them all
+            for g0, ng in _runs(kc):     # a DMA spreads over 4 of the 16 queues: use them all
                 nisa.dma_copy(dst=w[:, g0:g0 + ng],
                               src=w_e[:, k0 + g0:k0 + g0 + ng, :, i0:i0 + icw])
             for s0, iw, gp, up in slices:
@@ -391,7 +387,7 @@ def _down(c, e, actT, w, acc, first):
         wd = c.d_ring[:, c.n_d % _W_SLOTS, :, 0:bw]
         c.n_d += 1
         if I % _P == 0:         # row ci * 128 + p on partition p, chunk ci: a DMA per group
-            for c0, nc in _groups(c.ni):
+            for c0, nc in _runs(c.ni):
                 nisa.dma_copy(dst=wd[:, c0:c0 + nc, :],
                               src=c.wd.ap(pattern=[[H, _P], [_P * H, nc], [1, bw]],
                                           offset=e * I * H + c0 * _P * H + b0))
