@@ -164,10 +164,12 @@ def moe_decode():
                 floor = used * 3 * H * I * 2 / rate / 1e3
                 parts = norm.latency_us + router.latency_us + exp.latency_us
                 mode = "all-expert" if all_expert else "selective"
+                busy = " / ".join(f"{2 * exp.engine_busy_pct[e]:.0f}"     # one of LNC=2 cores
+                                  for e in ("tensor", "vector", "scalar", "gpsimd", "dma"))
                 print(f"   {target} T={T} H={H} I={I} {mode}: {used} experts' weights stream in "
                       f"{floor:.1f} us; moe_tkg {exp.latency_us:.1f} us ({floor / exp.latency_us:.0%} "
-                      f"of the bound); block {block.latency_us:.1f} us vs three kernels "
-                      f"{parts:.1f} us ({parts / block.latency_us:.2f}x)")
+                      f"of the bound; busy T/V/S/G/DMA {busy}%); block {block.latency_us:.1f} us "
+                      f"vs three kernels {parts:.1f} us ({parts / block.latency_us:.2f}x)")
 
 
 if __name__ == "__main__":
