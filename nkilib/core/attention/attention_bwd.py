@@ -22,6 +22,7 @@ import nki.language as nl
 from nki import errors as E
 
 from ..utils.pipeline import pipeline as _pipeline
+from ..utils.refuse import refuse_given
 
 _NEG = -3.0e38
 
@@ -30,9 +31,9 @@ _NEG = -3.0e38
 def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None,
                   bound_max=None, use_causal_mask=False, mixed_precision=False,
                   softmax_scale=None, sliding_window=None):
-    if sinks_ref is not None or bound_min is not None or bound_max is not None:
-        raise E.UnsupportedError("attention_bwd: attention sinks and sequence packing "
-                                 "(bound_min/bound_max) are not implemented in this NKI-lib")
+    refuse_given("attention_bwd", (("attention sinks", sinks_ref),
+                                   ("sequence packing (bound_min)", bound_min),
+                                   ("sequence packing (bound_max)", bound_max)))
     P = nl.tile_size.pmax
     B, H, d, Sq = q_ref.shape
     Hkv, Skv = k_ref.shape[1], k_ref.shape[3]

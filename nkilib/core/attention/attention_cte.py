@@ -34,6 +34,7 @@ import nki.language as nl
 from nki import errors as E
 
 from ..utils.pipeline import pipeline as _pipeline
+from ..utils.refuse import refuse_given, unsupported
 
 _NEG = -3.0e38          # masked score: exp() of it underflows to 0
 _BANK = 512             # fp32 scores per PSUM bank (2 KiB per partition): one matmul's output
@@ -44,10 +45,6 @@ _CHUNK_V4 = 2           # v4, whose rescale is cheap on its VectorE, gains less 
 _KV_RESIDENT = 96 * 1024  # bytes per partition K and V may hold in SBUF for a whole batch
 
 
-def _unsupported(name):
-    raise E.UnsupportedError(f"attention_cte: {name} is not implemented in this NKI-lib")
-
-
 @nki.jit
 def attention_cte(q, k, v, scale=1.0, causal_mask=True, k_prior=None, v_prior=None,
                   prior_used_len=None, sink=None, sliding_window=None, tp_q=True, tp_k=False,
@@ -55,11 +52,10 @@ def attention_cte(q, k, v, scale=1.0, causal_mask=True, k_prior=None, v_prior=No
                   mm_out_dtype=nl.float32, cp_offset=None, global_cp_deg=None,
                   cp_strided_q_slicing=False, bound_min=None, bound_max=None,
                   logit_softcap=None):
-    for name, val in (("prefix caching (k_prior)", k_prior), ("attention sinks", sink),
-                      ("context parallelism (cp_offset)", cp_offset),
-                      ("sequence packing (bound_min/bound_max)", bound_min)):
-        if val is not None:
-            _unsupported(name)
+    refuse_given("attention_cte", (
+        ("prefix caching (k_prior)", k_prior), ("attention sinks", sink),
+        ("context parallelism (cp_offset)", cp_offset),
+        ("sequence packing (bound_min/bound_max)", bound_min)))
     P = nl.tile_size.pmax
     if tp_q:
         B, Sq, d = q.shape

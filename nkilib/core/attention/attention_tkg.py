@@ -52,6 +52,7 @@ import nki.language as nl
 from nki import errors as E
 
 from ..utils.pipeline import pipeline as _pipeline
+from ..utils.refuse import refuse_given, unsupported
 
 _NEG = -3.0e38           # masked score: exp() of it underflows to 0
 _TILE_BYTES = 8 * 1024   # per partition, one fold's K (or V) tile of one kv head
@@ -88,12 +89,11 @@ def attention_tkg(q, k_active, v_active, k_prior, v_prior, mask=None, out=None, 
                   active_blocks_table=None, k_out=None, DBG_TENSORS=None, context_lens=None,
                   scale=1.0):
     # sbm (AWS's SBUF allocator) is accepted and unused: the simulator allocates.
-    for name, val in (("a pre-generated mask (pass context_lens)", mask), ("attention sinks", sink),
-                      ("fused RoPE (inv_freqs, rope_pos_ids)", inv_freqs),
-                      ("sliding-window starts (start_pos_ids)", start_pos_ids),
-                      ("k_out", k_out), ("DBG_TENSORS", DBG_TENSORS)):
-        if val is not None:
-            raise E.UnsupportedError(f"attention_tkg: {name} is not implemented in this NKI-lib")
+    refuse_given("attention_tkg", (
+        ("a pre-generated mask (pass context_lens)", mask), ("attention sinks", sink),
+        ("fused RoPE (inv_freqs, rope_pos_ids)", inv_freqs),
+        ("sliding-window starts (start_pos_ids)", start_pos_ids),
+        ("k_out", k_out), ("DBG_TENSORS", DBG_TENSORS)))
     c = _plan(q, k_active, v_active, k_prior, v_prior, active_blocks_table, context_lens,
               cfg if cfg is not None else AttnTKGConfig(), float(scale))
     if out is None:
@@ -117,7 +117,7 @@ def _plan(q, k_act, v_act, k_prior, v_prior, table, lens, cfg, scale):
     K = "attention_tkg"
     for flag in ("fuse_rope", "use_pos_id", "qk_in_sb", "out_in_sb", "k_out_in_sb"):
         if getattr(cfg, flag, False):
-            raise E.UnsupportedError(f"{K}: cfg.{flag}=True is not implemented in this NKI-lib")
+            unsupported(K, f"cfg.{flag}=True")
     if q.ndim != 4:
         raise E.ShapeMismatchError(f"{K}: q {tuple(q.shape)} must be [B, d, H, s_active]")
     B, d, H, sa = q.shape

@@ -34,6 +34,7 @@ from nki.language import as_dtype
 
 from ..utils.common_types import ActFnType, NormType, QuantizationType
 from ..utils.pipeline import pipeline as _pipeline
+from ..utils.refuse import unsupported
 
 _ACT = {"SiLU": nl.silu, "GELU": nl.gelu, "GELU_Tanh_Approx": nl.gelu_apprx_tanh,
         "Swish": nl.gelu_apprx_sigmoid}
@@ -126,19 +127,18 @@ def _check(x, wg, wu, wd, norm_w, norm_type, norm_b, act, quant, scales, in_sbuf
     if res is not None and tuple(res.shape) != (B, S, H):
         raise E.ShapeMismatchError(f"mlp: fused_add_tensor {tuple(res.shape)} must be {(B, S, H)}")
     if _name(quant) != "NONE" or any(s is not None for s in scales):
-        raise E.UnsupportedError("mlp: quantized weights (quantization_type, *_scale) are not "
-                                 "implemented in this NKI-lib")
+        unsupported("mlp", "quantized weights (quantization_type, *_scale)")
     if in_sbuf:
         raise E.UnsupportedError("mlp: store_output_in_sbuf needs a caller kernel's SBUF; this "
                                  "standalone kernel returns HBM tensors")
     if skip_gate:
-        raise E.UnsupportedError("mlp: skip_gate_proj is not implemented in this NKI-lib")
+        unsupported("mlp", "skip_gate_proj")
     norm = _name(norm_type)
     if norm not in _NORMS:
         raise E.UnsupportedError(f"mlp: normalization_type {norm} is not implemented "
                                  f"(supported: {', '.join(_NORMS)})")
     if norm_b is not None:
-        raise E.UnsupportedError("mlp: normalization_bias_tensor (LayerNorm) is not implemented")
+        unsupported("mlp", "normalization_bias_tensor (LayerNorm)")
     if norm == "RMS_NORM":
         if norm_w is None:
             raise E.ShapeMismatchError("mlp: normalization_type RMS_NORM needs normalization_weights_tensor")

@@ -41,15 +41,12 @@ from nki import errors as E
 from ..moe.moe_tkg.moe_tkg import (alloc_rings, config, run_experts, store, transpose_hidden,
                                     used_experts)
 from ..router_topk.router_topk import router_act, tile_stages
+from ..utils.refuse import refuse_given, unsupported
 from ..utils.common_types import (ActFnType, ExpertAffinityScaleMode, MoEBlockIOLayout,
                                   RouterActFnType)
 
 _P = 128
 _E_MAX = 512
-
-
-def _unsupported(what):
-    raise E.UnsupportedError(f"moe_block_tkg: {what} is not implemented in this NKI-lib")
 
 
 @nki.jit
@@ -70,22 +67,21 @@ def moe_block_tkg(inp, gamma, router_weights, expert_gate_up_weights, expert_dow
                   expert_gate_up_input_scale=None, expert_down_input_scale=None,
                   is_all_expert_dynamic=False, block_size=None,
                   inp_layout=MoEBlockIOLayout.B_S_H, outp_layout=MoEBlockIOLayout.B_S_H):
-    for name, val in (("shared experts (shared_expert_gate_w)", shared_expert_gate_w),
-                      ("shared experts (shared_expert_up_w)", shared_expert_up_w),
-                      ("shared experts (shared_expert_down_w)", shared_expert_down_w),
-                      ("quantized weights (expert_gate_up_weights_scale)", expert_gate_up_weights_scale),
-                      ("quantized weights (expert_down_weights_scale)", expert_down_weights_scale),
-                      ("static quantization (expert_gate_up_input_scale)", expert_gate_up_input_scale),
-                      ("static quantization (expert_down_input_scale)", expert_down_input_scale),
-                      ("the fused residual add (residual)", residual)):
-        if val is not None:
-            _unsupported(name)
+    refuse_given("moe_block_tkg", (
+        ("shared experts (shared_expert_gate_w)", shared_expert_gate_w),
+        ("shared experts (shared_expert_up_w)", shared_expert_up_w),
+        ("shared experts (shared_expert_down_w)", shared_expert_down_w),
+        ("quantized weights (expert_gate_up_weights_scale)", expert_gate_up_weights_scale),
+        ("quantized weights (expert_down_weights_scale)", expert_down_weights_scale),
+        ("static quantization (expert_gate_up_input_scale)", expert_gate_up_input_scale),
+        ("static quantization (expert_down_input_scale)", expert_down_input_scale),
+        ("the fused residual add (residual)", residual)))
     if hidden_act_scale_factor is not None or hidden_act_bias is not None:
         raise E.NkiRuleError("moe_block_tkg: hidden_act_scale_factor and hidden_act_bias are "
                              "placeholders and must be None")
     for nm, lay in (("inp_layout", inp_layout), ("outp_layout", outp_layout)):
         if getattr(lay, "name", lay) not in ("B_S_H", 0):
-            _unsupported(f"{nm}={lay}")
+            unsupported("moe_block_tkg", f"{nm}={lay}")
     if is_all_expert_dynamic and not is_all_expert:
         raise E.NkiRuleError("moe_block_tkg: is_all_expert_dynamic is only valid with "
                              "is_all_expert=True")

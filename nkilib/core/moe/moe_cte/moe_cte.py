@@ -39,6 +39,7 @@ import nki.language as nl
 from nki import errors as E
 
 from ...utils.common_types import ActFnType, ExpertAffinityScaleMode
+from ...utils.refuse import refuse_given, unsupported
 from ..expert_act import act_fn, combine
 
 _BANK_F32 = 512          # fp32 values per partition in one 2 KiB PSUM bank
@@ -72,10 +73,6 @@ class MoECTESpec(nl.NKIObject):
     shard_on_I: Optional[object] = None
 
 
-def _unsupported(what):
-    raise E.UnsupportedError(f"moe_cte: {what} is not implemented in this NKI-lib")
-
-
 def _bad_shape(msg):
     raise E.ShapeMismatchError(f"moe_cte: {msg}")
 
@@ -92,29 +89,28 @@ def moe_cte(hidden_states, expert_affinities_masked, gate_up_proj_weight, down_p
             up_clamp_upper_limit=None, up_clamp_lower_limit=None, gate_up_in_scale=None,
             down_in_scale=None, accumulation_dtype=None, skip_gate_proj=False):
     if spec is not None and getattr(spec.implementation, "name", "") != "shard_on_block":
-        _unsupported(f"implementation {spec.implementation}")
-    for name, val in (("quantization (quantization_config)", quantization_config),
-                      ("quantization (gate_up_proj_scale)", gate_up_proj_scale),
-                      ("quantization (down_proj_scale)", down_proj_scale),
-                      ("MX input scales (gate_up_in_scale)", gate_up_in_scale),
-                      ("MX input scales (down_in_scale)", down_in_scale),
-                      ("activation checkpointing (gate_up_activations_T)", gate_up_activations_T),
-                      ("activation checkpointing (down_activations)", down_activations)):
-        if val is not None:
-            _unsupported(name)
+        unsupported("moe_cte", f"implementation {spec.implementation}")
+    refuse_given("moe_cte", (
+        ("quantization (quantization_config)", quantization_config),
+        ("quantization (gate_up_proj_scale)", gate_up_proj_scale),
+        ("quantization (down_proj_scale)", down_proj_scale),
+        ("MX input scales (gate_up_in_scale)", gate_up_in_scale),
+        ("MX input scales (down_in_scale)", down_in_scale),
+        ("activation checkpointing (gate_up_activations_T)", gate_up_activations_T),
+        ("activation checkpointing (down_activations)", down_activations)))
     if skip_gate_proj:
-        _unsupported("skip_gate_proj")
+        unsupported("moe_cte", "skip_gate_proj")
     if skip_dma is not None and (getattr(skip_dma, "skip_token", False)
                                  or getattr(skip_dma, "skip_weight", False)):
-        _unsupported("DMA skipping (skip_dma)")
+        unsupported("moe_cte", "DMA skipping (skip_dma)")
     mode = getattr(expert_affinities_scaling_mode, "name", str(expert_affinities_scaling_mode))
     if mode not in ("POST_SCALE", "NO_SCALE"):
-        _unsupported(f"expert_affinities_scaling_mode {mode}")
+        unsupported("moe_cte", f"expert_affinities_scaling_mode {mode}")
     act = act_fn(activation_function)
     if act is None:
-        _unsupported(f"activation_function {activation_function}")
+        unsupported("moe_cte", f"activation_function {activation_function}")
     if nl.num_programs(0) > 1:
-        _unsupported("running on more than one NeuronCore (an LNC=2 grid)")
+        unsupported("moe_cte", "running on more than one NeuronCore (an LNC=2 grid)")
 
     P = nl.tile_size.pmax
     T1, H = hidden_states.shape

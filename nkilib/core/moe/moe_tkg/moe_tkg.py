@@ -46,6 +46,7 @@ from nki import errors as E
 
 from ...utils.common_types import ActFnType, ExpertAffinityScaleMode
 from ...utils.dma import runs as _runs
+from ...utils.refuse import refuse_given, unsupported
 from ..expert_act import act_fn, combine
 
 _P = 128
@@ -55,10 +56,6 @@ _D_BYTES = 16 * 1024        # per partition: one down-projection weight block, a
 _SLOTS = 4
 _W_SLOTS = 4
 _OUT_COLS = 2048            # output columns rounded and stored per step
-
-
-def _unsupported(what):
-    raise E.UnsupportedError(f"moe_tkg: {what} is not implemented in this NKI-lib")
 
 
 def _bad(msg):
@@ -75,17 +72,16 @@ def moe_tkg(hidden_input, expert_gate_up_weights, expert_down_weights, expert_af
             activation_fn=ActFnType.SiLU, output_dtype=None, gate_clamp_upper_limit=None,
             gate_clamp_lower_limit=None, up_clamp_upper_limit=None, up_clamp_lower_limit=None,
             output_in_sbuf=False, is_all_expert_dynamic=False):
-    for name, val in (("quantized weights (expert_gate_up_weights_scale)", expert_gate_up_weights_scale),
-                      ("quantized weights (expert_down_weights_scale)", expert_down_weights_scale),
-                      ("MX input (hidden_input_scale)", hidden_input_scale),
-                      ("static quantization (gate_up_input_scale)", gate_up_input_scale),
-                      ("static quantization (down_input_scale)", down_input_scale)):
-        if val is not None:
-            _unsupported(name)
+    refuse_given("moe_tkg", (
+        ("quantized weights (expert_gate_up_weights_scale)", expert_gate_up_weights_scale),
+        ("quantized weights (expert_down_weights_scale)", expert_down_weights_scale),
+        ("MX input (hidden_input_scale)", hidden_input_scale),
+        ("static quantization (gate_up_input_scale)", gate_up_input_scale),
+        ("static quantization (down_input_scale)", down_input_scale)))
     if output_in_sbuf:
-        _unsupported("output_in_sbuf")
+        unsupported("moe_tkg", "output_in_sbuf")
     if hidden_input.kind != "hbm":
-        _unsupported("a hidden_input in SBUF")
+        unsupported("moe_tkg", "a hidden_input in SBUF")
     if is_all_expert_dynamic and not is_all_expert:
         raise E.NkiRuleError("moe_tkg: is_all_expert_dynamic is only valid with is_all_expert=True")
     if hidden_input.ndim != 2:
@@ -180,10 +176,10 @@ def config(dt, T, H, wgu, wd, bgu, bd, scaling_mode, activation, gclamp, uclamp)
             f"implemented)")
     mode = getattr(scaling_mode, "name", str(scaling_mode))
     if mode not in ("POST_SCALE", "NO_SCALE"):
-        _unsupported(f"expert_affinities_scaling_mode {mode}")
+        unsupported("moe_tkg", f"expert_affinities_scaling_mode {mode}")
     act = act_fn(activation)
     if act is None:
-        _unsupported(f"activation_fn {activation}")
+        unsupported("moe_tkg", f"activation_fn {activation}")
     kh, ni = H // _P, -(-I // _P)
     isz = wdt.itemsize
     # The rings get what the stage's other tiles leave of each partition (the accumulator, x
