@@ -25,6 +25,12 @@ void refuse(std::shared_ptr<void>& learning);
 c10::DeviceIndex resolve_device(c10::optional<c10::Device> device);
 // Route ops with both a CPU kernel and a composite to the CPU kernel (fallback.cpp).
 int route_composites_to_cpu();
+// Route another library's op (``ns::name`` or ``ns::name.overload``) on neuron tensors to the
+// fallback, so its CPU kernel runs on the device's queue in stream order; one returning
+// nothing launches asynchronously (plan.cpp). For catch-all composite kernels (vLLM's fused
+// CPU attention), which would otherwise run at once on the calling thread.
+void route_to_queue(const std::string& qualified);
+bool routed_to_queue(const c10::OperatorName& name);
 // Where CPU has no kernel for the arguments' dtypes but CUDA has, a Python policy
 // (torch_neuronx/cuda_dtypes.py) computes CUDA's result on the host aliases. The hook gets
 // the op and its stack (arguments at the top, already host aliases); it replaces them with

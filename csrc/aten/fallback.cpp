@@ -502,6 +502,37 @@ int route_composites_to_cpu() {
   return n;
 }
 
+std::vector<std::unique_ptr<torch::Library>> g_queue_routes;
+std::mutex g_queue_routes_mu;
+std::unordered_set<c10::OperatorName> g_queue_routed;
+
+void route_to_queue(const std::string& qualified) {
+  const auto sep = qualified.find("::");
+  TORCH_CHECK_VALUE(sep != std::string::npos && sep > 0,
+                    "neuron: route_to_queue takes 'namespace::op[.overload]', got '", qualified, "'");
+  const std::string ns = qualified.substr(0, sep), rest = qualified.substr(sep + 2);
+  const auto dot = rest.find('.');
+  c10::OperatorName name(ns + "::" + rest.substr(0, dot),
+                         dot == std::string::npos ? "" : rest.substr(dot + 1));
+  auto op = c10::Dispatcher::singleton().findOp(name);
+  TORCH_CHECK_VALUE(op.has_value(), "neuron: route_to_queue: no operator '", qualified,
+                    "' is registered (is its library loaded?)");
+  std::lock_guard<std::mutex> g(g_queue_routes_mu);
+  if (g_queue_routed.count(name)) return;
+  if (!op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) ||
+      op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) {
+    g_queue_routes.push_back(std::make_unique<torch::Library>(
+        torch::Library::IMPL, ns, c10::DispatchKey::PrivateUse1, __FILE__, __LINE__));
+    g_queue_routes.back()->impl(rest.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
+  }
+  g_queue_routed.insert(name);
+}
+
+bool routed_to_queue(const c10::OperatorName& name) {
+  std::lock_guard<std::mutex> g(g_queue_routes_mu);
+  return g_queue_routed.count(name) > 0;
+}
+
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
 }

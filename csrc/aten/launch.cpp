@@ -445,6 +445,15 @@ bool try_launch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
     const IValue& p = (*stack)[base + plan.dropout_arg];
     if (!p.isDouble() || p.toDouble() != 0.0) return false;
   }
+  if (plan.int_indices_arg >= 0) {
+    // A mask's selected count is data: the host must wait for it, as CUDA's index does.
+    for (const IValue& e : (*stack)[base + plan.int_indices_arg].toListRef()) {
+      // Python's indexing passes a full slice between indices as an undefined tensor.
+      if (!e.isTensor() || !e.toTensor().defined()) continue;
+      auto t = e.toTensor().scalar_type();
+      if (t == c10::kBool || t == c10::kByte || !c10::isIntegralType(t, false)) return false;
+    }
+  }
 
   // Decided per op once (the plan), not by a name search on every launch.
   const int64_t flags = plan.cost_flags ? cost_flags(schema, stack->data() + base, n) : -1;
@@ -474,6 +483,13 @@ bool try_launch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
         }
       }
     }
+  }
+  if (!entry && plan.no_meta) {
+    auto e = std::make_shared<Entry>();
+    e->key.assign(a.key.begin(), a.key.end());
+    e->async = true;
+    insert(h, e);
+    entry = std::move(e);
   }
   if (!entry) {
     auto learned = learn(op, plan, *stack, base);

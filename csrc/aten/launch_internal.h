@@ -28,6 +28,13 @@ struct Plan {
   std::optional<c10::OperatorHandle> part;  // kForeach: the op applied to each list index
   int dropout_arg = -1;  // a seeded op that is deterministic when this argument is 0
   bool cost_flags = false;  // records flags beyond its shapes for the cost model (attention)
+  // aten::index: its result's shape depends on the data only through boolean (or uint8) masks;
+  // with integer indices it is the indices' broadcast shape, so it launches like any op.
+  int int_indices_arg = -1;
+  // Another library's op routed to the queue (route_to_queue): it returns nothing and only
+  // writes into its arguments, so it launches without learning its outputs from a Meta
+  // kernel (it has none; its catch-all composite would run on Meta tensors).
+  bool no_meta = false;
 };
 
 // The op's plan, made on first use and never freed.

@@ -95,10 +95,24 @@ Plan make_plan(const c10::OperatorHandle& op) {
   Plan p;
   const auto& s = op.schema();
   p.cost_flags = s.name().find("attention") != std::string::npos;
-  if (s.name().rfind("aten::", 0) != 0) return p;
-  if (op.hasTag(at::Tag::dynamic_output_shape) || op.hasTag(at::Tag::data_dependent_output) ||
-      op.hasTag(at::Tag::inplace_view)) {
+  if (s.name().rfind("aten::", 0) != 0) {
+    if (!routed_to_queue(s.operator_name()) || !s.returns().empty()) return p;
+    for (const auto& a : s.arguments()) {
+      if (mentions_generator(a.type())) return p;  // random: draws in program order, now
+    }
+    p.no_meta = p.has_tensor_input = p.eligible = true;
     return p;
+  }
+  const bool index = s.name() == "aten::index" && s.overload_name() == "Tensor";
+  if ((op.hasTag(at::Tag::dynamic_output_shape) && !index) ||
+      op.hasTag(at::Tag::data_dependent_output) || op.hasTag(at::Tag::inplace_view)) {
+    return p;
+  }
+  if (index) {
+    for (size_t i = 0; i < s.arguments().size(); ++i) {
+      if (s.arguments()[i].name() == "indices") p.int_indices_arg = int(i);
+    }
+    if (p.int_indices_arg < 0) return p;
   }
   if (op.hasTag(at::Tag::nondeterministic_seeded)) {
     // Random ops draw from the generator in program order: they run now. Attention kernels

@@ -253,6 +253,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           static_cast<int64_t>(t.scalar_type()));
   });
   m.def("_route_composites_to_cpu", &neuron::route_composites_to_cpu);
+  m.def("_route_to_queue", &neuron::route_to_queue, pybind11::arg("qualified"));
   // torch.multiprocessing: a device buffer moves into a shared-memory CPU storage (device
   // memory is host memory), which another process maps and adopts as its own device buffer.
   m.def("_shared_cpu_storage", [](const at::Tensor& t) -> std::optional<at::Tensor> {

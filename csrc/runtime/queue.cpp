@@ -12,6 +12,7 @@
 #include <Python.h>
 #include <pthread.h>
 
+#include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 
@@ -53,6 +54,10 @@ struct Item {
   // The launching thread's InferenceMode: work queued under torch.inference_mode (vLLM's
   // steps) writes inference tensors, which only that mode may update in place.
   bool inference = false;
+  // The launching thread's intra-op thread count (torch.set_num_threads): ATen's parallel
+  // reductions, MKL's GEMMs and kernels that plan their work split on the host (vLLM's CPU
+  // attention) give results that depend on it, so the work runs with the launcher's count.
+  int threads = 1;
   std::function<void()> run;
 };
 
@@ -111,6 +116,7 @@ class DeviceQueue {
     it.bytes = bytes;
     it.run = std::move(run);
     it.inference = c10::InferenceMode::is_enabled();
+    it.threads = at::get_num_threads();
     if (g_capture) it.site = g_capture();
     if (trace::on()) it.traced = trace::on_launch(op, device_, stream);
     std::unique_lock<std::mutex> lk(mu_);
@@ -231,6 +237,7 @@ class DeviceQueue {
     sleeping_ = false;
     running_ = false;
     executor_id_ = std::thread::id();
+    executor_threads_ = 0;
     waiters_ = 0;
   }
 
@@ -330,6 +337,11 @@ class DeviceQueue {
   }
 
   void run_item(Item& it) {
+    // Only the executor adopts the count; a waiting host runs work with its own, the same.
+    if (std::this_thread::get_id() == executor_id_ && it.threads != executor_threads_) {
+      at::set_num_threads(it.threads);
+      executor_threads_ = it.threads;
+    }
     if (it.inference) {
       c10::InferenceMode guard;
       execute(it.op, it.site, it.run, false, it.traced);
@@ -386,6 +398,7 @@ class DeviceQueue {
   std::atomic<size_t> queued_{0};
   bool started_ = false;
   bool sleeping_ = false;
+  int executor_threads_ = 0;  // the executor's intra-op thread count, as last set
   int waiters_ = 0;
   std::atomic<bool> failed_{false};
   std::atomic<bool> big_{false};  // the executor is running large work

@@ -54,6 +54,36 @@ def test_error_in_queued_work_is_raised_at_next_sync_with_op_and_line():
     torch.testing.assert_close(y.cpu(), table.cpu() * 2, rtol=0, atol=0)
 
 
+def test_integer_advanced_indexing_is_queued_and_masks_wait():
+    """``x[i, :, j]`` with integer index tensors has its result's shape from the indices'
+    shapes alone: it is queued like any op (a paged-KV gather per layer had the host wait for
+    the device). A boolean mask's count is data, so that form waits, as on CUDA."""
+    kv = torch.randn(50, 2, 16, 8)
+    b, o = torch.randint(0, 50, (4, 6)), torch.randint(0, 16, (4, 6))
+    m = kv[:, 0, 0, 0] > 0
+    forms = [lambda t, b, o, m: t[b, :, o], lambda t, b, o, m: t[b],
+             lambda t, b, o, m: t[:, :, o], lambda t, b, o, m: t[b.int(), 1]]
+    dev = [x.to(N) for x in (kv, b, o, m)]
+    for f in forms:
+        f(*dev)     # the first call of a signature runs synchronously
+    torch.neuron.synchronize()
+    torch_neuronx.queue_stats(reset=True)
+    got = [f(*dev) for f in forms]
+    assert torch_neuronx.queue_stats(reset=True)["synchronous_ops"] == {}
+    for f, g in zip(forms, got):
+        torch.testing.assert_close(g.cpu(), f(kv, b, o, m), rtol=0, atol=0)
+    masked = dev[0][dev[3]]
+    assert torch_neuronx.queue_stats(reset=True)["synchronous_ops"] == {"aten::index": 1}
+    torch.testing.assert_close(masked.cpu(), kv[m], rtol=0, atol=0)
+    # Out of range: reported at the next synchronization, naming the op; the device goes on.
+    bad = b.clone()
+    bad[1, 2] = 70
+    dev[0][bad.to(N)]       # the signature of t[b] above: queued
+    with pytest.raises(IndexError, match="aten::index"):
+        torch.neuron.synchronize()
+    torch.testing.assert_close(dev[0][dev[1]].cpu(), kv[b], rtol=0, atol=0)
+
+
 def test_host_read_raises_the_pending_error():
     table = torch.randn(10, 4, device=N)
     _select(table, torch.tensor([1, 2], device=N))

@@ -1,4 +1,5 @@
-"""Paged-KV attention for vLLM on neuron, in plain torch.
+"""Paged-KV attention for vLLM on neuron: vLLM's own fused CPU kernels run on the device's
+queue where they cover the layer (cpu_attention.py), otherwise plain torch, as below.
 
 The KV cache of a layer is vLLM's ``[num_blocks, num_kv_heads, block_size, head_size +
 head_size_v]`` (keys then values in the last dimension, any physical layout). New keys and
@@ -21,6 +22,10 @@ import torch.nn.functional as F
 from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl,
                                        AttentionMetadataBuilder, AttentionType,
                                        CommonAttentionMetadata, MultipleOf)
+from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from . import cpu_attention
 
 
 class NeuronAttentionBackend(AttentionBackend):
@@ -36,6 +41,11 @@ class NeuronAttentionBackend(AttentionBackend):
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
         return [MultipleOf(1)]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple:
+        # vLLM's CPU kernels read head-major block interiors; the plain path reads any.
+        return (KVCacheLayout.LBHNC,)
 
     @classmethod
     def get_supported_head_sizes(cls) -> list:
@@ -71,10 +81,22 @@ class NeuronAttentionMetadataBuilder(AttentionMetadataBuilder[NeuronAttentionMet
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
+        self.head_size = kv_cache_spec.head_size
+        self.num_kv_heads = kv_cache_spec.num_kv_heads
+        self.num_heads = (get_num_attention_heads_from_layers(vllm_config, layer_names) or
+                          vllm_config.model_config.get_num_attention_heads(
+                              vllm_config.parallel_config))
+        self.dtype = vllm_config.model_config.dtype
+        # Decided once per layer group, so the cache is written and read by the same kernels.
+        self.fused = cpu_attention.usable(self.head_size, self.block_size, self.dtype,
+                                          vllm_config.cache_config.cache_dtype)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> NeuronAttentionMetadata:
+              fast_build: bool = False):
         m = common_attn_metadata
+        if self.fused:
+            return cpu_attention.build(m, self.num_heads, self.num_kv_heads, self.head_size,
+                                       self.dtype, self.block_size)
         n_req, n_tok, bs = m.num_reqs, m.num_actual_tokens, self.block_size
         # One host read per step, shared by every layer.
         starts = m.query_start_loc_cpu[:n_req + 1].tolist()
@@ -155,6 +177,8 @@ class NeuronAttentionImpl(AttentionImpl):
         meta = meta.get(layer.layer_name) if isinstance(meta, dict) else meta
         if meta is None:    # a profiling run without a cache
             return
+        if isinstance(meta, cpu_attention.FusedMetadata):
+            return cpu_attention.update(key, value, kv_cache, slot_mapping, meta)
         n, d = meta.num_actual_tokens, key.shape[-1]
         blk, off = meta.slot_blocks, meta.slot_offsets
         kv_cache[blk, :, off, :d] = key[:n]
@@ -167,18 +191,21 @@ class NeuronAttentionImpl(AttentionImpl):
                                       "is not supported")
         if attn_metadata is None:   # profiling run
             return output
+        if isinstance(attn_metadata, cpu_attention.FusedMetadata):
+            cpu_attention.attend(query, kv_cache, output, self.scale, self.num_kv_heads,
+                                 attn_metadata)
+            return output
         m, d = attn_metadata, self.head_size
         out = output.view(output.shape[0], self.num_heads, -1)
-        rep = self.num_heads // self.num_kv_heads
+        # Grouped-query heads share their K/V inside SDPA (no repeat_interleave copies).
+        gqa = self.num_heads != self.num_kv_heads
         if m.decode is not None:
             tokens, blocks, offsets, mask = m.decode
             kv = kv_cache[blocks, :, offsets].transpose(1, 2)     # [n, Hkv, width, d + dv]
             k, v = kv[..., :d], kv[..., d:]
-            if rep > 1:
-                k = k.repeat_interleave(rep, dim=1)
-                v = v.repeat_interleave(rep, dim=1)
             q = query.index_select(0, tokens).unsqueeze(2)          # [n, Hq, 1, d]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                               enable_gqa=gqa)
             out.index_copy_(0, tokens, o.squeeze(2))
         if m.prompts is not None:
             tokens, flat, dest, mask = m.prompts
@@ -186,10 +213,8 @@ class NeuronAttentionImpl(AttentionImpl):
             q = query[tokens].transpose(1, 2)                       # [n, Hq, width, d]
             k = key[tokens].transpose(1, 2)                         # [n, Hkv, width, d]
             v = value[tokens].transpose(1, 2)
-            if rep > 1:
-                k = k.repeat_interleave(rep, dim=1)
-                v = v.repeat_interleave(rep, dim=1)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                               enable_gqa=gqa)
             o = o.transpose(1, 2).flatten(0, 1).index_select(0, flat)
             out.index_copy_(0, dest, o)
         for i in m.prefills:
@@ -199,16 +224,15 @@ class NeuronAttentionImpl(AttentionImpl):
             blocks = kv_cache.index_select(0, m.block_ids[i])      # [nb, Hkv, bs, d + dv]
             kv = blocks.transpose(0, 1).flatten(1, 2)[:, :s]       # [Hkv, s, d + dv]
             k, v = kv[..., :d], kv[..., d:]
-            if rep > 1:
-                k = k.repeat_interleave(rep, dim=0)
-                v = v.repeat_interleave(rep, dim=0)
             q = query[q0:q1].transpose(0, 1).unsqueeze(0)          # [1, Hq, lq, d]
             if lq == s:             # the whole sequence: plain causal
                 o = F.scaled_dot_product_attention(q, k.unsqueeze(0), v.unsqueeze(0),
-                                                   is_causal=True, scale=self.scale)
+                                                   is_causal=True, scale=self.scale,
+                                                   enable_gqa=gqa)
             else:                   # a chunk after cached tokens: bottom-right causal
                 mask = torch.ones(lq, s, dtype=torch.bool, device=q.device).tril(s - lq)
                 o = F.scaled_dot_product_attention(q, k.unsqueeze(0), v.unsqueeze(0),
-                                                   attn_mask=mask, scale=self.scale)
+                                                   attn_mask=mask, scale=self.scale,
+                                                   enable_gqa=gqa)
             out[q0:q1] = o.squeeze(0).transpose(0, 1)
         return output

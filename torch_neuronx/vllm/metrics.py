@@ -44,6 +44,7 @@ class Summary:
     tensor_parallel_size: int = 1
     collective_seconds: float = 0.0                    # modelled, part of ``seconds``
     collectives: dict = field(default_factory=dict)    # "c10d::<op>" -> modelled seconds
+    by_op: dict = field(default_factory=dict)          # op or kernel -> modelled seconds
 
     @property
     def replicas_per_chip(self) -> float:
@@ -63,7 +64,7 @@ class Summary:
                 "tokens_per_s_per_chip": self.tokens_per_s_per_chip, "device": self.device,
                 "tensor_parallel_size": self.tensor_parallel_size,
                 "collective_seconds": self.collective_seconds,
-                "collectives": dict(self.collectives)}
+                "collectives": dict(self.collectives), "by_op": dict(self.by_op)}
 
     def __str__(self):
         d = self.as_dict()
@@ -133,6 +134,7 @@ class StepClock:
         s.seconds += seconds
         s.collective_seconds += t.by_engine.get("collective", 0.0)
         for op, sec in t.by_op.items():
+            s.by_op[op] = s.by_op.get(op, 0.0) + sec
             if op.startswith("c10d::"):
                 s.collectives[op] = s.collectives.get(op, 0.0) + sec
         s.tokens += len(first_tokens) + decodes
