@@ -55,3 +55,16 @@ def test_fused_chunk_after_cached_prefix_equals_transformers(wide_llm, wide_dir)
     base = prompt_ids()[-1]
     prompts = [base + [9, 10, 11], base[:33] + [12]]
     assert greedy(wide_llm, prompts) == transformers_greedy(wide_dir, prompts, 16)
+
+
+def test_fused_kernels_under_tensor_parallelism_equal_transformers(wide_dir):
+    # Two workers on neuron:0 and neuron:1, each with 2 query heads and 1 KV head of 64.
+    llm = make_llm(wide_dir, tensor_parallel_size=2)
+    try:
+        llm.collective_rpc("reset_modelled_summary")
+        prompts = prompt_ids(4, seed=3)
+        assert greedy(llm, prompts, 8) == transformers_greedy(wide_dir, prompts, 8)
+        for summary in llm.collective_rpc("modelled_summary"):
+            assert summary["by_op"]["paged_attention"] > 0
+    finally:
+        llm.llm_engine.engine_core.shutdown()

@@ -2,10 +2,12 @@
 queue where they cover the layer (cpu_attention.py), otherwise plain torch, as below.
 
 The KV cache of a layer is vLLM's ``[num_blocks, num_kv_heads, block_size, head_size +
-head_size_v]`` (keys then values in the last dimension, any physical layout). New keys and
-values are written through the slot mapping. One ``scaled_dot_product_attention`` per layer
-covers all the decoding requests of a step (one new token each; their cached keys and values
-gathered through the block table, padded to the longest and masked), one more all the prompts
+head_size_v]`` in its identity layout (LBHNC, the one vLLM's CPU kernels read); the plain path
+keeps keys then values in the last dimension of each slot, the fused kernels each block's
+keys then its values. The plain path writes new keys and values through the slot mapping.
+One ``scaled_dot_product_attention`` per layer covers all the decoding requests of a step
+(one new token each; their cached keys and values gathered through the block table, padded
+to the longest and masked), one more all the prompts
 processed whole (their own new keys and values, padded and masked causally). A chunk that
 continues cached tokens (chunked prefill, prefix-cache hit) is attended on its own with a
 bottom-right causal mask; a lone whole prompt with plain causal SDPA, which the cost model
