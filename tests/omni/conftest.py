@@ -33,3 +33,23 @@ def cpu_video(wan_dir):
             cache[seed] = reference(wan_dir, PROMPT, seed, FLOW_SHIFT, **REQUEST)
         return cache[seed]
     return run
+
+
+@pytest.fixture(scope="session")
+def flux_dir(tmp_path_factory):
+    import omni_tiny_flux
+    return omni_tiny_flux.build(tmp_path_factory.mktemp("tiny-flux"))
+
+
+@pytest.fixture(scope="session")
+def cpu_image(flux_dir):
+    """The Flux pipeline through diffusers on the CPU: ``seed -> image`` (H, W, 3) uint8."""
+    from omni_tiny_flux import PROMPT, REQUEST, reference
+    cache = {}
+
+    def run(seed: int):
+        if seed not in cache:
+            cache[seed] = reference(flux_dir, PROMPT, seed, **REQUEST)
+        return cache[seed]
+    return run
+

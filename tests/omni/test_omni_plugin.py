@@ -59,3 +59,13 @@ def test_neuron_sdpa_equals_cpu():
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=0.25).transpose(1, 2)
     out = impl.forward(q.to("neuron"), k.to("neuron"), v.to("neuron")).cpu()
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_diffusion_worker_is_omnis_own_with_modelled_time():
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm_omni.diffusion.worker.diffusion_worker import DiffusionWorker
+
+    from torch_neuronx.vllm.omni_platform import NeuronOmniPlatform
+    cls = resolve_obj_by_qualname(NeuronOmniPlatform.get_diffusion_worker_cls())
+    assert issubclass(cls, DiffusionWorker)
+    assert callable(cls.modelled_summary) and callable(cls.reset_modelled_summary)

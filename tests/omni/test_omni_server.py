@@ -1,17 +1,11 @@
 """vLLM-Omni's OpenAI-style server on neuron: ``vllm-omni serve <dir> --omni`` answers
 ``/v1/videos/sync`` over HTTP on 127.0.0.1."""
 import io
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import requests
+from omni_http import omni_server
 from omni_tiny_wan import FLOW_SHIFT, PROMPT, REQUEST
 
 # The video comes back as H.264 in MP4, a lossy codec whose choices flip on the 2e-4
@@ -23,42 +17,10 @@ SAME_SEED_LEVELS = 9
 OTHER_SEED_LEVELS = 13
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(wan_dir, tmp_path_factory):
-    port = _free_port()
-    log = tmp_path_factory.mktemp("omni-server") / "server.log"
-    omni_cli = Path(sys.executable).with_name("vllm-omni")
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(
-            [str(omni_cli), "serve", str(wan_dir), "--omni", "--host", "127.0.0.1",
-             "--port", str(port), "--dtype", "float32"],
-            stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, log.read_text()[-4000:]
-            assert time.monotonic() < deadline, log.read_text()[-4000:]
-            try:
-                if requests.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            time.sleep(1)
+    with omni_server(wan_dir, tmp_path_factory.mktemp("omni-server")) as url:
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def _decode(mp4: bytes):

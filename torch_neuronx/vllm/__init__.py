@@ -6,6 +6,8 @@ Loaded by vLLM through the ``vllm.platform_plugins`` entry point, never by
 from __future__ import annotations
 
 PLATFORM = "torch_neuronx.vllm.platform.NeuronPlatform"
+# A child of vLLM's logger: vLLM's handler and VLLM_LOGGING_LEVEL apply, in every process.
+LOGGER = "vllm.neuron"
 
 
 def register() -> str | None:

@@ -23,8 +23,9 @@ import torch
 
 from .. import _C, _state, cost_model
 from ..kernels import nkilib_routes as routes
+from . import LOGGER
 
-log = logging.getLogger("torch_neuronx.vllm")
+log = logging.getLogger(LOGGER)
 
 _OPS = ("cpu_attn_reshape_and_cache", "cpu_attention_with_kv_cache", "get_scheduler_metadata")
 # vLLM's CPU_ATTN backend: its head sizes, and its kernels' block granularity (16 for the

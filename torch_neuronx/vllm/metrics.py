@@ -12,9 +12,13 @@ Under tensor parallelism every worker keeps its own summary (its device's ops an
 of the collectives, which keep the workers in step); only the first worker of the group
 logs and feeds ``/metrics``, so one replica's series are counted once.
 
-The numbers go to the log (logger ``torch_neuronx.vllm``) every ``LOG_EVERY`` seconds of
+The numbers go to the log (logger ``vllm.neuron``, under vLLM's own) every ``LOG_EVERY`` seconds of
 wall time, to ``summary()``, and, when ``PROMETHEUS_MULTIPROC_DIR`` is set, to vLLM's
 ``/metrics`` as ``neuron:modelled_*`` series.
+
+A diffusion request (vLLM-Omni) is one call of the diffusion worker: text encoding, every
+denoising step and the VAE decode. Its modelled time is what the cost model charged for that
+call (``RequestClock``); requests batched into one call each take the call's time.
 """
 from __future__ import annotations
 
@@ -27,7 +31,9 @@ from dataclasses import dataclass, field
 import torch
 import torch_neuronx
 
-log = logging.getLogger("torch_neuronx.vllm")
+from . import LOGGER
+
+log = logging.getLogger(LOGGER)
 LOG_EVERY = float(os.environ.get("TORCH_NEURONX_VLLM_LOG_EVERY", "10"))
 
 
@@ -133,8 +139,8 @@ class StepClock:
         s.steps += 1
         s.seconds += seconds
         s.collective_seconds += t.by_engine.get("collective", 0.0)
+        _add_ops(s.by_op, t)
         for op, sec in t.by_op.items():
-            s.by_op[op] = s.by_op.get(op, 0.0) + sec
             if op.startswith("c10d::"):
                 s.collectives[op] = s.collectives.get(op, 0.0) + sec
         s.tokens += len(first_tokens) + decodes
@@ -150,6 +156,64 @@ class StepClock:
         if self.publish and now - self._last_log >= LOG_EVERY:
             self._last_log = now
             log.info("%s", s)
+
+
+def _add_ops(by_op: dict, t) -> None:
+    for op, sec in t.by_op.items():
+        by_op[op] = by_op.get(op, 0.0) + sec
+
+
+@dataclass
+class DiffusionSummary:
+    platform: str
+    device: str = ""
+    seconds: float = 0.0                               # modelled, all calls
+    request_seconds: list = field(default_factory=list)  # modelled seconds per request
+    by_op: dict = field(default_factory=dict)          # op or kernel -> modelled seconds
+
+    def as_dict(self) -> dict:
+        xs = self.request_seconds
+        return {"platform": self.platform, "device": self.device,
+                "modelled_seconds": self.seconds, "requests": len(xs),
+                "request_median_s": statistics.median(xs) if xs else 0.0,
+                "request_seconds": list(xs), "by_op": dict(self.by_op)}
+
+    def __str__(self):
+        d = self.as_dict()
+        return (f"neuron modelled {d['platform']}: diffusion request median "
+                f"{d['request_median_s'] * 1e3:.3f} ms over {d['requests']} requests")
+
+
+class RequestClock:
+    """Reads the modelled time of every diffusion worker call of one device."""
+
+    def __init__(self, device: torch.device, publish: bool = True):
+        """``publish``: log each request (the first worker of a parallel group)."""
+        self.device = device
+        self.publish = publish
+        self.reset()
+
+    def reset(self) -> None:
+        self.summary = DiffusionSummary(platform=torch_neuronx._state.config().profile.name,
+                                        device=str(self.device))
+
+    def begin(self) -> None:
+        """A call starts: what ran before it (loading, warm-up) is not its time."""
+        torch.neuron.synchronize(self.device)
+        torch_neuronx.reset_modelled_time(self.device)
+
+    def end(self, requests: int) -> None:
+        """A call of ``requests`` requests ended (0: one denoising step of requests that go on)."""
+        torch.neuron.synchronize(self.device)
+        t = torch_neuronx.modelled_time(self.device, reset=True)
+        s = self.summary
+        s.seconds += t.seconds
+        _add_ops(s.by_op, t)
+        s.request_seconds.extend([t.seconds] * requests)
+        if self.publish and requests:
+            log.info("neuron modelled %s: diffusion request %.3f ms (median %.3f ms over %d "
+                     "requests)", s.platform, t.seconds * 1e3,
+                     statistics.median(s.request_seconds) * 1e3, len(s.request_seconds))
 
 
 def _prometheus():

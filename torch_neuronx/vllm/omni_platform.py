@@ -41,6 +41,10 @@ class NeuronOmniPlatform(NeuronPlatform, OmniPlatform):
         return ATTENTION
 
     @classmethod
+    def get_diffusion_worker_cls(cls) -> str:
+        return "torch_neuronx.vllm.omni_worker.NeuronDiffusionWorker"
+
+    @classmethod
     def supports_diffusion_dense_flash_attention(cls) -> bool:
         return False
 

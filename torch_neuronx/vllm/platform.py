@@ -9,10 +9,12 @@ import torch
 import torch_neuronx  # noqa: F401  (registers the device when torch's autoload is off)
 from vllm.platforms.interface import Platform, PlatformEnum
 
+from . import LOGGER
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-log = logging.getLogger("torch_neuronx.vllm")
+log = logging.getLogger(LOGGER)
 
 WORKER = "torch_neuronx.vllm.worker.NeuronWorker"
 ATTENTION = "torch_neuronx.vllm.attention.NeuronAttentionBackend"

@@ -13,7 +13,9 @@ from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
 from vllm.v1.worker.worker_base import CompilationTimes
 
-log = logging.getLogger("torch_neuronx.vllm")
+from . import LOGGER
+
+log = logging.getLogger(LOGGER)
 
 # The KV cache lives in the device's memory, which is host memory: never size it beyond
 # this share of what the host has free, whatever the modelled HBM would allow.
