@@ -519,8 +519,9 @@ void route_to_queue(const std::string& qualified) {
                     "' is registered (is its library loaded?)");
   std::lock_guard<std::mutex> g(g_queue_routes_mu);
   if (g_queue_routed.count(name)) return;
-  if (!op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) ||
-      op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) {
+  // hasKernelForDispatchKey sees direct registrations only: a catch-all or composite kernel
+  // (what routing is for) is not one, while a library's own PrivateUse1 kernel is kept.
+  if (!op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) {
     g_queue_routes.push_back(std::make_unique<torch::Library>(
         torch::Library::IMPL, ns, c10::DispatchKey::PrivateUse1, __FILE__, __LINE__));
     g_queue_routes.back()->impl(rest.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
