@@ -64,6 +64,11 @@ struct Window {
   // of `_foreach_` ops, run list index by list index.
   enum class Kind { kPure, kRows, kForeach } kind = Kind::kPure;
   bool all_row = true;         // every op held could also run row-blocked
+  // The window's first op is recorded and the rest are the unrecorded ops of a kernel that
+  // charges its own time (a residual add before an rms_norm charged as NKI-lib's): they run
+  // fused on the host, but only the first op is recorded, as it would be on its own, since
+  // on the chip the charged kernel is a launch of its own.
+  bool lead = false;
 };
 
 std::array<Window, 64> g_windows;
@@ -377,6 +382,17 @@ void launch_unfused(c10::DeviceIndex d, int64_t stream, std::vector<Op>& ops) {
   }
 }
 
+// Records follow the window's ops, not the flushing thread (which may be inside or outside
+// a charging kernel when the window closes).
+struct RecordingAs {
+  explicit RecordingAs(bool on) : prev(set_recording(on)) {}
+  ~RecordingAs() { set_recording(prev); }
+  bool prev;
+};
+
+void flush_ops(c10::DeviceIndex d, Window& w, std::vector<Op>& ops,
+               std::vector<std::vector<Ref>>& refs);
+
 void flush_locked(c10::DeviceIndex d, Window& w) {
   if (w.ops.empty()) return;
   std::vector<Op> ops;
@@ -384,6 +400,19 @@ void flush_locked(c10::DeviceIndex d, Window& w) {
   ops.swap(w.ops);
   refs.swap(w.refs);
   w.held.store(false, std::memory_order_relaxed);
+  const bool lead = w.lead;
+  w.lead = false;
+  if (lead) {
+    const Op& op = ops.front();
+    RecordingAs on(true);
+    record_op(op.name, d, op.dtype, op.shape_tensors, op.bytes_in, op.bytes_out);
+  }
+  RecordingAs as(ops.front().recorded && !lead);
+  flush_ops(d, w, ops, refs);
+}
+
+void flush_ops(c10::DeviceIndex d, Window& w, std::vector<Op>& ops,
+               std::vector<std::vector<Ref>>& refs) {
   g_kernels.fetch_add(1);
   if (ops.size() == 1) {
     Op& op = ops.front();
@@ -510,15 +539,21 @@ void append(c10::DeviceIndex d, int64_t stream, Op op) {
   Window& w = g_windows[d];
   std::lock_guard<std::mutex> g(w.mu);
   auto refs = refs_of(op);
+  op.recorded = recording();
   using K = Window::Kind;
   const K mine = !op.parts.empty() ? K::kForeach : op.pure ? K::kPure : K::kRows;
   if (!w.ops.empty()) {
     bool same = mine == w.kind && mine != K::kRows && op.shape == w.shape;
     bool rows = !same && op.row && w.all_row && w.shape.size() >= 2 && rows_match(op.shape, w.shape);
-    if (w.stream != stream || !(same || rows) || conflicts(w.refs, refs)) {
+    // One recorded op may lead a charging kernel's unrecorded ops; any other change of
+    // recording closes the window (its records could not be told apart).
+    const bool flips = op.recorded != w.ops.back().recorded;
+    const bool leads = flips && !op.recorded && w.ops.size() == 1;
+    if (w.stream != stream || !(same || rows) || conflicts(w.refs, refs) || (flips && !leads)) {
       flush_locked(d, w);
-    } else if (rows) {
-      w.kind = K::kRows;
+    } else {
+      if (rows) w.kind = K::kRows;
+      if (leads) w.lead = true;
     }
   }
   if (w.ops.empty()) {

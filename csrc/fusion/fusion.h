@@ -35,6 +35,9 @@ struct Op {
   c10::ScalarType dtype = c10::kFloat;
   std::vector<at::Tensor> shape_tensors;  // for the cost record
   int64_t bytes_in = 0, bytes_out = 0;
+  // Launched while the thread's ops were recorded for the cost model (not inside a Python
+  // kernel that charges its own time, nkilib_routes.charged_as).
+  bool recorded = true;
 };
 struct Stats {
   int64_t ops, kernels, fused_kernels, fused_ops, one_pass_ops;

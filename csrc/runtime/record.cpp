@@ -90,6 +90,7 @@ bool set_recording(bool on) {
   t_unrecorded = !on;
   return was;
 }
+bool recording() { return !t_unrecorded; }
 bool quiet() { return t_quiet; }
 
 

@@ -77,6 +77,7 @@ void warn_if_unportable(const c10::OperatorHandle& op, c10::ScalarType dtype);
 void set_quiet(bool on);
 // Whether this thread's ops are recorded for the cost model; returns the previous setting.
 bool set_recording(bool on);
+bool recording();
 bool quiet();
 
 // The kernel trace a torch.profiler session with the PrivateUse1 activity fills (defined in

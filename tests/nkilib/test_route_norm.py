@@ -216,3 +216,36 @@ def test_execute_mode_runs_the_kernels():
     r = subprocess.run([sys.executable, "-c", EXECUTE], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_a_residual_add_runs_fused_with_the_charged_norm_and_keeps_its_own_charge():
+    import torch_neuronx
+    x, y = (torch.randn(256, 1024, device="neuron") for _ in range(2))
+    w = torch.randn(1024, device="neuron")
+
+    def step():
+        return F.rms_norm(x + y, (1024,), w, 1e-6)
+    step()                                           # the first call of a signature waits
+    _, alone = _charges(lambda: x + y)
+    torch_neuronx.adaptive_eager_stats(reset=True)
+    out, seen = _charges(step)
+    stats = torch_neuronx.adaptive_eager_stats(reset=True)
+    # One kernel on the host (the add and the norm's five ops) ...
+    assert (stats["ops"], stats["kernels"], stats["fused_kernels"]) == (7, 1, 1), stats
+    # ... two charges, as on the chip: the add on its own, the norm as NKI-lib's kernel.
+    assert sorted(c.name for c in seen) == ["add", "rms_norm"]
+    add = next(c for c in seen if c.name == "add")
+    assert add.seconds == next(c.seconds for c in alone if c.name == "add")
+    ref = F.rms_norm(x.cpu() + y.cpu(), (1024,), w.cpu(), 1e-6)
+    torch.testing.assert_close(out.cpu(), ref, rtol=0, atol=0)
+
+
+def test_two_recorded_ops_before_the_norm_keep_their_window():
+    x, y = (torch.randn(256, 1024, device="neuron") for _ in range(2))
+
+    def step():
+        return F.rms_norm((x + y) * 2, (1024,), None, 1e-6)
+    step()
+    _, seen = _charges(step)
+    names = sorted(c.name for c in seen)
+    assert names in (["add", "mul", "rms_norm"], ["fused_pointwise", "rms_norm"]), names

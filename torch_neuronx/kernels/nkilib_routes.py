@@ -231,17 +231,18 @@ def flex_seconds(kind, B, H, sq, skv, d, dtype, fraction):
 def charged_as(device, name, seconds, *, engine, flops=0.0, hbm_bytes=0, **priced):
     """Runs the body's device ops unrecorded and charges ``seconds`` under ``name`` instead:
     the host computes a call with ATen's ops while its modelled time is an NKI-lib kernel's.
-    The device's Adaptive Eager window is launched before the body (earlier ops keep their
-    own charges) and after it (the body's ops leave it unrecorded), without waiting for the
-    queue. ``priced``: the shapes, dtype and bytes ``seconds`` was priced from
-    (``cost_model.op_seconds``), kept in the charge so a what-if can re-price it."""
+    Adaptive Eager keeps the body's ops apart from the ops around it in the cost records:
+    each op knows whether it was recorded, and a window changes between recorded and
+    unrecorded ops only where one recorded op leads the body (a residual add before a norm),
+    which the host then runs fused with the body while the op keeps its own charge, as on
+    the chip, where the kernel is a launch of its own. ``priced``: the shapes, dtype and
+    bytes ``seconds`` was priced from (``cost_model.op_seconds``), kept in the charge so a
+    what-if can re-price it."""
     idx = device.index if device.index is not None else torch.neuron.current_device()
-    _C._close_window(idx)
     prev = _C._set_op_records(False)
     try:
         yield
     finally:
-        _C._close_window(idx)
         _C._set_op_records(prev)
     cost_model._add_time(idx, name, seconds, engine=engine, flops=flops, hbm_bytes=hbm_bytes,
                          **priced)
