@@ -12,9 +12,10 @@ from pathlib import Path
 
 
 @contextlib.contextmanager
-def omni_server(model_dir, log_dir):
-    """``vllm-omni serve <dir> --omni`` on a free port of 127.0.0.1: its URL once /health
-    answers; the server's log is in ``log_dir``."""
+def omni_server(model_dir, log_dir, env=None):
+    """``vllm-omni serve <dir> --omni`` on a free port of 127.0.0.1 (``env``: more
+    environment variables): its URL once /health answers; the server's log is in
+    ``log_dir``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -25,7 +26,8 @@ def omni_server(model_dir, log_dir):
         proc = subprocess.Popen(
             [str(omni_cli), "serve", str(model_dir), "--omni", "--host", "127.0.0.1",
              "--port", str(port), "--dtype", "float32"],
-            stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180

@@ -60,7 +60,11 @@ def test_image_equals_diffusers_on_cpu(omni, cpu_image, seed):
 @pytest.fixture(scope="module")
 def server(flux_dir, tmp_path_factory):
     from omni_http import omni_server
-    with omni_server(flux_dir, tmp_path_factory.mktemp("omni-image-server")) as url:
+    # As for vLLM's server: the worker's series reach /metrics through Prometheus'
+    # multiprocess mode, which needs an empty directory named before the server starts.
+    prom = tmp_path_factory.mktemp("prometheus")
+    with omni_server(flux_dir, tmp_path_factory.mktemp("omni-image-server"),
+                     env={"PROMETHEUS_MULTIPROC_DIR": str(prom)}) as url:
         yield url
 
 
@@ -107,3 +111,22 @@ def test_bad_image_request_keeps_serving(server, body):
     r = _post_image(server, **body)
     assert 400 <= r.status_code < 500, (body, r.status_code, r.text[:2000])
     assert requests.get(server + "/health", timeout=10).status_code == 200
+
+
+def _series(server, name):
+    import requests
+    text = requests.get(server + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and 'platform="trn2"' in line)
+
+
+def test_metrics_count_each_request_modelled_time(server):
+    count = "neuron:modelled_diffusion_request_seconds_count"
+    total = "neuron:modelled_diffusion_request_seconds_sum"
+    before = _series(server, count), _series(server, total)
+    assert _post_image(server, seed=3).status_code == 200
+    after = _series(server, count), _series(server, total)
+    assert after[0] == before[0] + 1
+    assert after[1] > before[1]
+    assert _series(server, "neuron:modelled_diffusion_busy_seconds_total") == pytest.approx(
+        after[1], rel=1e-9)     # the warm-up request is in neither

@@ -188,10 +188,12 @@ class RequestClock:
     """Reads the modelled time of every diffusion worker call of one device."""
 
     def __init__(self, device: torch.device, publish: bool = True):
-        """``publish``: log each request (the first worker of a parallel group)."""
+        """``publish``: log each request and feed ``/metrics`` (the first worker of a parallel
+        group)."""
         self.device = device
         self.publish = publish
         self.reset()
+        self._prom = _prometheus_diffusion() if publish else None
 
     def reset(self) -> None:
         self.summary = DiffusionSummary(platform=torch_neuronx._state.config().profile.name,
@@ -210,6 +212,8 @@ class RequestClock:
         s.seconds += t.seconds
         _add_ops(s.by_op, t)
         s.request_seconds.extend([t.seconds] * requests)
+        if self._prom is not None:
+            self._prom(t.seconds, requests)
         if self.publish and requests:
             log.info("neuron modelled %s: diffusion request %.3f ms (median %.3f ms over %d "
                      "requests)", s.platform, t.seconds * 1e3,
@@ -248,4 +252,26 @@ def _prometheus():
         busy.inc(seconds)
         tokens.inc(len(first_tokens) + decodes)
         rate.set(s.tokens_per_s_per_chip)
+    return update
+
+
+def _prometheus_diffusion():
+    """The diffusion worker's series in vLLM's multiprocess Prometheus registry (Omni's API
+    server exposes it at ``/metrics``), or None without one."""
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return None
+    from prometheus_client import Counter, Histogram
+
+    plat = torch_neuronx._state.config().profile.name
+    request = Histogram("neuron:modelled_diffusion_request_seconds",
+                        "Modelled Trainium time of each diffusion request", ["platform"],
+                        buckets=[1e-4 * 2 ** i for i in range(24)]).labels(plat)
+    busy = Counter("neuron:modelled_diffusion_busy_seconds",
+                   "Modelled Trainium time of all diffusion worker calls",
+                   ["platform"]).labels(plat)
+
+    def update(seconds: float, requests: int) -> None:
+        busy.inc(seconds)
+        for _ in range(requests):
+            request.observe(seconds)
     return update
