@@ -12,9 +12,9 @@ Under tensor parallelism every worker keeps its own summary (its device's ops an
 of the collectives, which keep the workers in step); only the first worker of the group
 logs and feeds ``/metrics``, so one replica's series are counted once.
 
-The numbers go to the log (logger ``vllm.neuron``, under vLLM's own) every ``LOG_EVERY`` seconds of
-wall time, to ``summary()``, and, when ``PROMETHEUS_MULTIPROC_DIR`` is set, to vLLM's
-``/metrics`` as ``neuron:modelled_*`` series.
+The numbers go to the log (logger ``vllm.neuron``, under vLLM's own) every ``LOG_EVERY``
+seconds of wall time, to ``summary()``, and, when ``PROMETHEUS_MULTIPROC_DIR`` is set, to
+vLLM's ``/metrics`` as ``neuron:modelled_*`` series.
 
 A diffusion request (vLLM-Omni) is one call of the diffusion worker: text encoding, every
 denoising step and the VAE decode. Its modelled time is what the cost model charged for that
