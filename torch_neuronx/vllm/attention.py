@@ -13,6 +13,11 @@ continues cached tokens (chunked prefill, prefix-cache hit) is attended on its o
 bottom-right causal mask; a lone whole prompt with plain causal SDPA, which the cost model
 charges as NKI-lib's ``attention_cte`` (torch_neuronx/kernels/nkilib_routes.py). Masked calls
 are charged on the roofline (an explicit mask keeps SDPA off NKI-lib's kernels).
+
+Sliding windows (Mistral, Gemma 2/3) narrow each of those masks to the window's keys, and a
+logit soft cap (Gemma 2) computes the scores itself (``_attention``: ``cap * tanh(s / cap)``
+before the mask and softmax, as Transformers' eager attention does); layer groups with
+either take the plain path.
 """
 from __future__ import annotations
 
@@ -24,6 +29,8 @@ import torch.nn.functional as F
 from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl,
                                        AttentionMetadataBuilder, AttentionType,
                                        CommonAttentionMetadata, MultipleOf)
+from vllm.config import get_layers_from_vllm_config
+from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
@@ -89,9 +96,13 @@ class NeuronAttentionMetadataBuilder(AttentionMetadataBuilder[NeuronAttentionMet
                           vllm_config.model_config.get_num_attention_heads(
                               vllm_config.parallel_config))
         self.dtype = vllm_config.model_config.dtype
-        # Decided once per layer group, so the cache is written and read by the same kernels.
-        self.fused = cpu_attention.usable(self.head_size, self.block_size, self.dtype,
-                                          vllm_config.cache_config.cache_dtype)
+        # Decided once per layer group, so the cache is written and read by the same kernels;
+        # windows and soft caps take the plain path.
+        layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names).values()
+        plain = any(getattr(layer.impl, "sliding_window", None) or
+                    getattr(layer.impl, "logits_soft_cap", None) for layer in layers)
+        self.fused = not plain and cpu_attention.usable(
+            self.head_size, self.block_size, self.dtype, vllm_config.cache_config.cache_dtype)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False):
@@ -155,8 +166,6 @@ class NeuronAttentionImpl(AttentionImpl):
                  attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None,
                  sinks=None) -> None:
         unsupported = [name for name, v in (("ALiBi", alibi_slopes),
-                                            ("sliding window", sliding_window),
-                                            ("logits soft cap", logits_soft_cap),
                                             ("attention sinks", sinks)) if v]
         if attn_type != AttentionType.DECODER:
             unsupported.append(f"{attn_type} attention")
@@ -171,6 +180,9 @@ class NeuronAttentionImpl(AttentionImpl):
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.attn_type = attn_type
+        # A query attends to itself and the sliding_window - 1 keys before it.
+        self.sliding_window = int(sliding_window) if sliding_window else None
+        self.logits_soft_cap = float(logits_soft_cap) if logits_soft_cap else None
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         from vllm.forward_context import get_forward_context
@@ -197,17 +209,18 @@ class NeuronAttentionImpl(AttentionImpl):
             cpu_attention.attend(query, kv_cache, output, self.scale, self.num_kv_heads,
                                  attn_metadata)
             return output
-        m, d = attn_metadata, self.head_size
+        m, d, w = attn_metadata, self.head_size, self.sliding_window
         out = output.view(output.shape[0], self.num_heads, -1)
-        # Grouped-query heads share their K/V inside SDPA (no repeat_interleave copies).
-        gqa = self.num_heads != self.num_kv_heads
+        attend = self._attention
         if m.decode is not None:
             tokens, blocks, offsets, mask = m.decode
             kv = kv_cache[blocks, :, offsets].transpose(1, 2)     # [n, Hkv, width, d + dv]
             k, v = kv[..., :d], kv[..., d:]
             q = query.index_select(0, tokens).unsqueeze(2)          # [n, Hq, 1, d]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
-                                               enable_gqa=gqa)
+            if w is not None:   # keys at or after position len - w
+                lens = mask.sum(-1, keepdim=True)
+                mask = mask & (torch.arange(mask.shape[-1], device=mask.device) >= lens - w)
+            o = attend(q, k, v, mask=mask)
             out.index_copy_(0, tokens, o.squeeze(2))
         if m.prompts is not None:
             tokens, flat, dest, mask = m.prompts
@@ -215,8 +228,9 @@ class NeuronAttentionImpl(AttentionImpl):
             q = query[tokens].transpose(1, 2)                       # [n, Hq, width, d]
             k = key[tokens].transpose(1, 2)                         # [n, Hkv, width, d]
             v = value[tokens].transpose(1, 2)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
-                                               enable_gqa=gqa)
+            if w is not None:
+                mask = mask & _band(width, width, w, mask.device)
+            o = attend(q, k, v, mask=mask)
             o = o.transpose(1, 2).flatten(0, 1).index_select(0, flat)
             out.index_copy_(0, dest, o)
         for i in m.prefills:
@@ -227,14 +241,37 @@ class NeuronAttentionImpl(AttentionImpl):
             kv = blocks.transpose(0, 1).flatten(1, 2)[:, :s]       # [Hkv, s, d + dv]
             k, v = kv[..., :d], kv[..., d:]
             q = query[q0:q1].transpose(0, 1).unsqueeze(0)          # [1, Hq, lq, d]
-            if lq == s:             # the whole sequence: plain causal
-                o = F.scaled_dot_product_attention(q, k.unsqueeze(0), v.unsqueeze(0),
-                                                   is_causal=True, scale=self.scale,
-                                                   enable_gqa=gqa)
+            if lq == s and w is None:   # the whole sequence: plain causal
+                o = attend(q, k.unsqueeze(0), v.unsqueeze(0), causal=True)
             else:                   # a chunk after cached tokens: bottom-right causal
-                mask = torch.ones(lq, s, dtype=torch.bool, device=q.device).tril(s - lq)
-                o = F.scaled_dot_product_attention(q, k.unsqueeze(0), v.unsqueeze(0),
-                                                   attn_mask=mask, scale=self.scale,
-                                                   enable_gqa=gqa)
+                mask = (torch.ones(lq, s, dtype=torch.bool, device=q.device).tril(s - lq)
+                        if w is None else _band(lq, s, w, q.device))
+                o = attend(q, k.unsqueeze(0), v.unsqueeze(0), mask=mask)
             out[q0:q1] = o.squeeze(0).transpose(0, 1)
         return output
+
+    def _attention(self, q, k, v, mask=None, causal=False):
+        """Attention of q [.., Hq, lq, d] over k, v [.., Hkv, s, d]: SDPA (grouped-query
+        heads share their K/V inside it, no copies), or with a logit soft cap the scores
+        computed here."""
+        gqa = self.num_heads != self.num_kv_heads
+        cap = self.logits_soft_cap
+        if cap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                  scale=self.scale, enable_gqa=gqa)
+        if gqa:
+            r = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(r, dim=-3), v.repeat_interleave(r, dim=-3)
+        scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * self.scale / cap) * cap
+        if causal:
+            lq, s = scores.shape[-2:]
+            mask = torch.ones(lq, s, dtype=torch.bool, device=q.device).tril(s - lq)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
+
+
+def _band(lq: int, s: int, w: int, device) -> torch.Tensor:
+    """[lq, s]: query i (position s - lq + i) sees keys from w - 1 before it to itself."""
+    ones = torch.ones(lq, s, dtype=torch.bool, device=device)
+    return ones.tril(s - lq) & ones.triu(s - lq - (w - 1))
