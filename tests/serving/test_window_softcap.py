@@ -1,7 +1,8 @@
 """Sliding-window attention (Mistral, Gemma 2) and Gemma 2's attention logit soft cap through
 ``vllm.LLM`` on neuron: greedy generation equals Transformers' eager attention on the CPU.
 The configs make both matter: a window of 8 tokens under prompts of up to 40, and a soft cap
-of 0.05 (without it, or without the window, the tokens differ: checked by hand)."""
+of 0.05 (without it, or without the window, the tokens differ: checked by hand on both
+paths)."""
 import sys
 
 import pytest
@@ -13,7 +14,7 @@ WINDOW = 8
 STEPS = 12
 
 
-def _build(path, arch):
+def _build(path, arch, head_dim):
     sys.path.insert(0, str(EXAMPLES))
     import tiny_llama
     tok = tiny_llama.tokenizer()
@@ -28,11 +29,11 @@ def _build(path, arch):
         # Gemma ties its embeddings; weights this narrow keep its scaled embeddings and
         # final soft cap from saturating every logit.
         model = Gemma2ForCausalLM(Gemma2Config(
-            head_dim=16, query_pre_attn_scalar=16, attn_logit_softcapping=0.05,
+            head_dim=head_dim, query_pre_attn_scalar=16, attn_logit_softcapping=0.05,
             tie_word_embeddings=True, initializer_range=0.05, **common))
     else:
         from transformers import MistralConfig, MistralForCausalLM
-        model = MistralForCausalLM(MistralConfig(tie_word_embeddings=False,
+        model = MistralForCausalLM(MistralConfig(head_dim=head_dim, tie_word_embeddings=False,
                                                  initializer_range=0.3, **common))
     model.save_pretrained(path)
     tok.save_pretrained(path)
@@ -55,10 +56,14 @@ def _reference(path, prompts):
     return out
 
 
+# Head size 16: the plain-torch path; 32: vLLM's fused CPU kernels, each layer's window
+# (Gemma 2: 8 and none, in one cache group) and cap as their arguments (checked by hand: the
+# fused kernels ran, and dropping either argument changes the tokens).
+@pytest.mark.parametrize("head_dim", [16, 32])
 @pytest.mark.parametrize("arch", ["mistral", "gemma2"])
-def test_greedy_equals_transformers(tmp_path, arch):
+def test_greedy_equals_transformers(tmp_path, arch, head_dim):
     from vllm import SamplingParams
-    path = _build(tmp_path / arch, arch)
+    path = _build(tmp_path / arch, arch, head_dim)
     prompts = prompt_ids(6)                     # 3 to 31 tokens: most longer than the window
     want = _reference(path, prompts)
     llm = make_llm(path)

@@ -14,10 +14,10 @@ bottom-right causal mask; a lone whole prompt with plain causal SDPA, which the 
 charges as NKI-lib's ``attention_cte`` (torch_neuronx/kernels/nkilib_routes.py). Masked calls
 are charged on the roofline (an explicit mask keeps SDPA off NKI-lib's kernels).
 
-Sliding windows (Mistral, Gemma 2/3) narrow each of those masks to the window's keys, and a
-logit soft cap (Gemma 2) computes the scores itself (``_attention``: ``cap * tanh(s / cap)``
-before the mask and softmax, as Transformers' eager attention does); layer groups with
-either take the plain path.
+Sliding windows (Mistral, Gemma 2/3) and logit soft caps (Gemma 2) are arguments of vLLM's
+fused kernels. On the plain path a window narrows each of those masks to the window's keys,
+and a soft cap has the scores computed here (``_attention``: ``cap * tanh(s / cap)`` before
+the mask and softmax, as Transformers' eager attention does).
 """
 from __future__ import annotations
 
@@ -96,20 +96,22 @@ class NeuronAttentionMetadataBuilder(AttentionMetadataBuilder[NeuronAttentionMet
                           vllm_config.model_config.get_num_attention_heads(
                               vllm_config.parallel_config))
         self.dtype = vllm_config.model_config.dtype
-        # Decided once per layer group, so the cache is written and read by the same kernels;
-        # windows and soft caps take the plain path.
+        # Decided once per layer group, so the cache is written and read by the same kernels.
+        # The fused kernels' work plan, shared by the group, may assume a sliding window only
+        # where every layer has it (-1: none); each layer passes its own to the kernel (as
+        # vLLM's CPU backend does for Gemma's windowed and global layers in one group).
         layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names).values()
-        plain = any(getattr(layer.impl, "sliding_window", None) or
-                    getattr(layer.impl, "logits_soft_cap", None) for layer in layers)
-        self.fused = not plain and cpu_attention.usable(
-            self.head_size, self.block_size, self.dtype, vllm_config.cache_config.cache_dtype)
+        windows = {getattr(layer.impl, "sliding_window", None) for layer in layers}
+        self.window = (next(iter(windows)) or -1) if len(windows) == 1 else -1
+        self.fused = cpu_attention.usable(self.head_size, self.block_size, self.dtype,
+                                          vllm_config.cache_config.cache_dtype)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False):
         m = common_attn_metadata
         if self.fused:
             return cpu_attention.build(m, self.num_heads, self.num_kv_heads, self.head_size,
-                                       self.dtype, self.block_size)
+                                       self.dtype, self.block_size, self.window)
         n_req, n_tok, bs = m.num_reqs, m.num_actual_tokens, self.block_size
         # One host read per step, shared by every layer.
         starts = m.query_start_loc_cpu[:n_req + 1].tolist()
@@ -207,7 +209,8 @@ class NeuronAttentionImpl(AttentionImpl):
             return output
         if isinstance(attn_metadata, cpu_attention.FusedMetadata):
             cpu_attention.attend(query, kv_cache, output, self.scale, self.num_kv_heads,
-                                 attn_metadata)
+                                 attn_metadata, self.sliding_window or -1,
+                                 self.logits_soft_cap or 0.0)
             return output
         m, d, w = attn_metadata, self.head_size, self.sliding_window
         out = output.view(output.shape[0], self.num_heads, -1)

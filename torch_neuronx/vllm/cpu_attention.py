@@ -77,17 +77,18 @@ class FusedMetadata:
 
 
 def build(common, num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
-          block_size: int) -> FusedMetadata:
+          block_size: int, window: int = -1) -> FusedMetadata:
     """The kernels' metadata for a step. The work split is planned by vLLM's own planner from
     the device's sequence lengths: routed to the device, it waits for the queue (it reads the
     lengths on the host) and its result becomes device memory without a copy, which matters:
-    the plan holds pointers into its own buffer."""
+    the plan holds pointers into its own buffer. ``window``: the sliding window every layer
+    of the group shares (-1: none), which the plan depends on."""
     from vllm import envs
     n = common.num_reqs
     qsl, seq = common.query_start_loc[:n + 1], common.seq_lens[:n]
     kind = isa(dtype, block_size, head_size)
     sched = torch.ops._C.get_scheduler_metadata(
-        n, num_heads, num_kv_heads, head_size, seq, dtype, qsl, True, -1, kind,
+        n, num_heads, num_kv_heads, head_size, seq, dtype, qsl, True, window, kind,
         envs.VLLM_CPU_ATTN_SPLIT_KV, None, "auto")
     starts = common.query_start_loc_cpu[:n + 1].tolist()
     return FusedMetadata(
@@ -119,7 +120,7 @@ def update(key, value, kv_cache, slot_mapping, meta: FusedMetadata) -> None:
 
 
 def attend(query, kv_cache, output, scale: float, num_kv_heads: int,
-           meta: FusedMetadata) -> None:
+           meta: FusedMetadata, window: int = -1, softcap: float = 0.0) -> None:
     n = meta.num_actual_tokens
     k_cache, v_cache = _split(kv_cache)
     seconds, flops = _priced(query.shape[1], num_kv_heads, query.shape[2],
@@ -129,7 +130,8 @@ def attend(query, kv_cache, output, scale: float, num_kv_heads: int,
                            flops=flops):
         torch.ops._C.cpu_attention_with_kv_cache(
             query[:n], k_cache, v_cache, output[:n], meta.query_start_loc, meta.seq_lens, scale,
-            True, None, -1, meta.block_table, 0.0, meta.scheduler_metadata, None, None)
+            True, None, window, meta.block_table, softcap, meta.scheduler_metadata, None,
+            None)
 
 
 def _priced(heads, kv_heads, d, dtype, requests):
