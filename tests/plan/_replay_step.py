@@ -59,6 +59,35 @@ class MLP(nn.Module):
         return x
 
 
+class Attention(nn.Module):
+    """TorchTitan's attention: four square projections, the head count taken from the local
+    width (-1), so that a rank of a tensor-parallel run holds its share of the heads."""
+    def __init__(self, d, head_dim):
+        super().__init__()
+        self.head_dim = head_dim
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(d, d, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        b, t = x.shape[:2]
+        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class AttnBlock(nn.Module):
+    """Attention, then the MLP block, each with its residual (no norms: under TP without
+    sequence parallelism their parameters would stay plain tensors beside DTensors, which
+    DTensor's foreach optimizer refuses)."""
+    def __init__(self, d, head_dim=32):
+        super().__init__()
+        self.attention = Attention(d, head_dim)
+        self.feed_forward = Block(d)
+
+    def forward(self, x):
+        return self.feed_forward(x + self.attention(x))
+
+
 @dataclass
 class Workload:
     make: object        # () -> nn.Module
@@ -66,6 +95,12 @@ class Workload:
     loss: object        # (model, inputs on the device) -> loss
     tp_plan: dict | None
     fsdp_units: list
+
+
+ATTN_PLAN = {f"blocks.{i}.{name}": style for i in range(BLOCKS)
+             for name, style in (("attention.wq", "colwise"), ("attention.wk", "colwise"),
+                                 ("attention.wv", "colwise"), ("attention.wo", "rowwise"),
+                                 ("feed_forward.fc1", "colwise"), ("feed_forward.fc2", "rowwise"))}
 
 
 def _gpt_batch(g):
@@ -85,6 +120,17 @@ MODELS = {
                          for name, style in (("norm", "sequence"), ("fc1", "colwise"),
                                              ("fc2", "rowwise"))},
                         [f"blocks.{i}" for i in range(BLOCKS)] + [""]),
+    # transformer blocks as TorchTitan writes them (batch 2 x 48 tokens, 4 heads of 32)
+    "attn": Workload(lambda: MLP(d=128, block=AttnBlock),
+                     lambda g: torch.randn(2, 48, 128, generator=g),
+                     lambda m, x: m(x).square().mean(), ATTN_PLAN,
+                     [f"blocks.{i}" for i in range(BLOCKS)] + [""]),
+    # the same on 2 x 64 tokens: as many as the projections are wide, so each one's input
+    # and weight gradients have the same shapes
+    "attnsq": Workload(lambda: MLP(d=128, block=AttnBlock),
+                       lambda g: torch.randn(2, 64, 128, generator=g),
+                       lambda m, x: m(x).square().mean(), ATTN_PLAN,
+                       [f"blocks.{i}" for i in range(BLOCKS)] + [""]),
     # FSDP only: a tensor-parallel GPT needs a head-aware plan for its fused qkv projection,
     # and an optimizer over DTensor and plain parameters at once is refused by DTensor.
     "gpt": Workload(lambda: GPT(GPT_CONFIG), _gpt_batch, lambda m, x: m(x, x)[1], None,

@@ -2,6 +2,7 @@
 equals the modelled step of real 2-rank runs on the virtual devices ("neuron" backend), and
 the replay keeps FLOPs, signs and errors honest."""
 import contextlib
+import functools
 import sys
 from pathlib import Path
 
@@ -25,6 +26,10 @@ _MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
 CASES = {"mlp-fsdp": ("mlp", dict(fsdp=2, fsdp_units=MLP.fsdp_units)),
          "mlp-tp": ("mlp", dict(tp=2, tp_plan=MLP.tp_plan)),
          "gpt-fsdp": ("gpt", dict(fsdp=2, fsdp_units=GPT.fsdp_units)),
+         # attention's square projections, the heads split between q/k/v and the output
+         "attn-tp": ("attn", dict(tp=2, tp_plan=step_script.ATTN_PLAN)),
+         # as many tokens as the projections are wide: gradients of the same shapes
+         "attnsq-tp": ("attnsq", dict(tp=2, tp_plan=step_script.ATTN_PLAN)),
          # TorchTitan's sequence parallelism: norms sharded on the sequence
          "normmlp-sp": ("normmlp", dict(tp=2, tp_plan=NORM.tp_plan))}
 
@@ -46,8 +51,9 @@ def _unfused():
         torch_neuronx.set_adaptive_eager(was)
 
 
+@functools.cache
 def _trace(model_name):
-    """The step traced on device 0 of this process."""
+    """The step traced on device 0 of this process (once per model)."""
     with _unfused():
         return step_script.traced_step(model_name, "single", torch.device("neuron", 0))
 
@@ -63,22 +69,30 @@ def traced_gpt():
 
 
 @pytest.fixture(scope="module")
+def traced_attn():
+    return _trace("attn")
+
+
+@pytest.fixture(scope="module")
 def traced_norm():
     return _trace("normmlp")
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_replay_equals_a_real_2_rank_run(request, real, case):
+def test_replay_equals_a_real_2_rank_run(real, case):
     """A step traced on one device, replayed for FSDP=2 (fully_shard per block and the root)
     or TP=2 (Megatron colwise/rowwise plan), equals the modelled time each rank of a real
     2-rank run reports, collective by collective: an MLP of two blocks under both, the demo
-    GPT (two layers, the root holding the embeddings and the tied head) under FSDP, and
+    GPT (two layers, the root holding the embeddings and the tied head) under FSDP,
+    TorchTitan-style attention blocks under TP=2 (square q/k/v/o projections split by the
+    role of each dim in their matmuls, flash attention on half the heads; also with as many
+    tokens as the projections are wide, when a Linear's two gradients have the same shapes),
+    and
     pre-norm blocks under TP=2 with sequence parallelism (SequenceParallel norms, the
     colwise input and rowwise output sharded on the sequence: all-gathers and
     reduce-scatters, and the all-reduce of the norms' gradients)."""
     model_name, layout = CASES[case]
-    t = request.getfixturevalue({"mlp": "traced", "gpt": "traced_gpt",
-                                 "normmlp": "traced_norm"}[model_name])
+    t = _trace(model_name)
     predicted = t.replay_layout(**layout)
     assert not t.collectives
     for rank in real:
@@ -191,6 +205,12 @@ def test_bad_layouts_raise_clear_errors(traced, kwargs, match):
 def test_rowwise_degree_not_dividing_in_features_names_the_module(traced):
     with pytest.raises(ValueError, match=r"tp=3 does not divide blocks.1.fc2.in_features=1024"):
         traced.replay_layout(tp=3, tp_plan={"blocks.1.fc2": "rowwise"})
+
+
+def test_attention_tp_must_divide_the_heads(traced_attn):
+    with pytest.raises(ValueError, match=r"tp=8 does not divide the 4 heads \(dim 1 of "
+                                         r"\(2, 4, 48, 32\)\) of _scaled_dot_product"):
+        traced_attn.replay_layout(tp=8, tp_plan=step_script.ATTN_PLAN)
 
 
 def test_a_trace_without_its_module_cannot_be_replayed():

@@ -14,9 +14,11 @@ by a formula of its own: a re-priced op is priced by ``cost_model.op_seconds`` (
 real 2-rank runs):
 
 TP=N (``parallelize_module`` with Colwise/RowwiseParallel):
-  every op of a parallel Linear, and every op between a column-parallel Linear and the next
-  row-parallel one (forward; the reverse in backward), re-priced with the split dimension
-  (the column-parallel out_features, the row-parallel in_features) divided by N; per
+  every op of a parallel Linear re-priced with its split feature (the column-parallel
+  out_features, the row-parallel in_features) divided by N, found by the role each dim plays
+  in its matmul (forward, input gradient, weight gradient), and every op between a
+  column-parallel Linear and the next row-parallel one (forward; the reverse in backward)
+  with every dim equal to a split size, or attention's heads, divided by N; per
   row-parallel Linear in forward, DTensor's division of the replicated bias (a Partial sum)
   and the ``all_reduce`` of its output with the copy functional collectives make; per
   column-parallel Linear that computed an input gradient, the ``all_reduce`` (and copy) of
@@ -29,7 +31,7 @@ TP=N with sequence parallelism ("sequence" norms in the plan, TorchTitan's layou
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 _STYLES = ("colwise", "rowwise", "sequence")
 
@@ -95,10 +97,16 @@ def _split_shapes(shapes, size: int, n: int):
 # Ops of several outputs, their elements from the recorded input shapes (the norm over the
 # last dim): layer norm's output, mean and rstd; its backward's weight and bias gradients,
 # with or without the input's (an input that needs none).
+# Flash attention (shapes q, k, v): its output (q's with v's head dim) and the logsumexp
+# per query; its backward (shapes grad_out, q, k) the gradients of q, k and v (v shaped as k).
 _SEVERAL_OUTPUTS = {
     "native_layer_norm": (lambda s: math.prod(s[0]) + 2 * math.prod(s[0][:-1]),),
     "native_layer_norm_backward": (lambda s: math.prod(s[0]) + 2 * s[0][-1],
                                    lambda s: 2 * s[0][-1]),
+    "_scaled_dot_product_flash_attention_for_cpu": (
+        lambda s: math.prod(s[0][:-1]) * (s[2][-1] + 1),),
+    "_scaled_dot_product_flash_attention_for_cpu_backward": (
+        lambda s: math.prod(s[1]) + 2 * math.prod(s[2]),),
 }
 
 
@@ -149,8 +157,9 @@ def _reprice(charge, shapes, bytes_in: int, bytes_out: int, cfg, dtype=None) -> 
     return seconds, flops
 
 
-def _split_op(o, size: int, n: int, cfg) -> tuple:
-    """(seconds, flops) of traced op ``o`` with every dim equal to ``size`` divided by n."""
+def _split_op(o, size: int, n: int, cfg, shapes=None) -> tuple:
+    """(seconds, flops) of traced op ``o`` with every dim equal to ``size`` divided by n, or
+    at the sharded ``shapes`` when given."""
     c = o.charge
     if c.name == "fused_pointwise":
         # its shapes are (elements, ops): which of its operands are split is lost
@@ -162,7 +171,7 @@ def _split_op(o, size: int, n: int, cfg) -> tuple:
         raise ValueError(f"replay: {c.name} in tensor-parallel module {o.module!r} is not an "
                          f"op the cost model priced from shapes (engine {c.engine}); it cannot "
                          f"be re-priced for tp")
-    new = _split_shapes(c.shapes, size, n)
+    new = _split_shapes(c.shapes, size, n) if shapes is None else shapes
     if new == c.shapes:
         return c.seconds, c.flops
     old_in = sum(math.prod(s) for s in c.shapes)
@@ -178,6 +187,127 @@ def _split_op(o, size: int, n: int, cfg) -> tuple:
     per_launch = c.bytes_out // c.count // item
     bytes_out = c.count * _out_numel(c.name, c.shapes, new, per_launch, o.module) * item
     return _reprice(c, new, bytes_in, bytes_out, cfg)
+
+
+def _region_shapes(o, sizes: frozenset, n: int, heads: set) -> tuple:
+    """The shapes of an op between a column- and a row-parallel Linear on one rank: every dim
+    equal to one of the region's split sizes divided by n; in a shape without one, the heads:
+    dim 1 of flash attention's (batch, heads, tokens, head_dim) operands, or a dim other than
+    the last whose product with the last (the head dim) is a split size, as attention's
+    (batch, heads, tokens, head_dim) or (batch, tokens, heads, head_dim), or, after one of
+    those, a dim 1 or 2 of a 4-D shape equal to a head count found in the region (``heads``,
+    which this adds to: rotary halves, scores)."""
+    out = []
+    for s in o.charge.shapes:
+        if any(d in sizes for d in s):
+            out.append(tuple(d // n if d in sizes else d for d in s))
+            continue
+        if o.charge.name.startswith("_scaled_dot_product") and len(s) == 4:
+            found = [1]
+        else:
+            found = [i for i in range(len(s) - 1) if len(s) >= 3 and s[i] * s[-1] in sizes]
+            if not found and len(s) == 4:
+                found = [i for i in (1, 2) if s[i] in heads]
+        if len(found) > 1:
+            raise ValueError(f"replay: {o.charge.name} {list(o.charge.shapes)} in the "
+                             f"tensor-parallel region of module {o.module!r}: dims "
+                             f"{found} of {s} could each be the heads of a split size "
+                             f"{sorted(sizes)}; the replay cannot tell which tp splits")
+        for i in found:
+            if s[i] % n:
+                raise ValueError(f"replay: tp={n} does not divide the {s[i]} heads (dim {i} of "
+                                 f"{s}) of {o.charge.name} in the tensor-parallel region of "
+                                 f"module {o.module!r}")
+        heads.update(s[i] for i in found)
+        out.append(tuple(d // n if i in found else d for i, d in enumerate(s)))
+    new = tuple(out)
+    if new == tuple(o.charge.shapes) and any(math.prod(s) > 1 for s in new):
+        raise ValueError(f"replay: {o.charge.name} {list(o.charge.shapes)} ran in the "
+                         f"tensor-parallel region of module {o.module!r} with no dim of a split "
+                         f"size {sorted(sizes)} (nor heads of one): the replay cannot tell how "
+                         f"tp shards it")
+    return new
+
+
+# Non-matmul ops of a parallel Linear whose operand is its output's gradient (the bias
+# gradient's reduction over tokens); the others (accumulating its input's gradient) act on
+# the input side. Only needed to tell the sides of a square Linear apart.
+_OUTPUT_SIDE = {"sum"}
+
+
+def _linear_role(o, fin: int, fout: int) -> str | None:
+    """Which matmul of an nn.Linear a TensorE op is: "forward" (x @ W^T: M tokens, K in, N
+    out), "grad_in" (g @ W: K out, N in), "grad_weight" (g^T @ x, as autograd computes it
+    for the transposed view W^T: M out, K tokens, N in), or "either" when the token count
+    equals out_features (both gradients then have the same shapes); None for a non-matmul
+    op."""
+    from ..cost_model import _matmul_dims
+    c = o.charge
+    dims = _matmul_dims(c.name, list(c.shapes or ())) if c.engine == "tensor" else None
+    if dims is None:
+        return None
+    _, m, k, nn = dims
+    if not o.backward:
+        if (k, nn) != (fin, fout):
+            raise ValueError(f"replay: {c.name} {list(c.shapes)} in Linear({fin}, {fout}) "
+                             f"{o.module!r} is not its forward matmul (x @ W^T)")
+        return "forward"
+    roles = [r for r, ok in (("grad_in", (k, nn) == (fout, fin)),
+                             ("grad_weight", (m, nn) == (fout, fin))) if ok]
+    if not roles:
+        raise ValueError(f"replay: {c.name} {list(c.shapes)} in the backward of Linear({fin}, "
+                         f"{fout}) {o.module!r} is neither gradient matmul; the replay cannot "
+                         f"tell which dim tp splits")
+    return roles[0] if len(roles) == 1 else "either"
+
+
+def _linear_parts(o, role: str) -> list:
+    """[(op, role)] of a Linear's op record. The runtime merges the launches of one signature
+    between two module boundaries into one record, so when both gradients have the same
+    shapes ("either"), a Linear's backward is one record: one launch is its weight gradient,
+    which every backward computes; two, its input's too (halved, each priced apart)."""
+    if role != "either":
+        return [(o, role)]
+    c = o.charge
+    if c.count == 1:
+        return [(o, "grad_weight")]
+    if c.count != 2:
+        raise ValueError(f"replay: {c.count} launches of {c.name} {list(c.shapes)} in the "
+                         f"backward of {o.module!r}, each either gradient (the token count "
+                         f"equals out_features); the replay cannot tell them apart")
+    half = replace(o, charge=replace(c, count=1, seconds=c.seconds / 2, flops=c.flops / 2,
+                                     bytes_in=c.bytes_in // 2, bytes_out=c.bytes_out // 2,
+                                     hbm_bytes=c.hbm_bytes // 2))
+    return [(half, "grad_in"), (half, "grad_weight")]
+
+
+def _linear_shapes(o, role, style: str, fin: int, fout: int, n: int) -> tuple:
+    """The shapes of an op of a column- (out_features split) or row-parallel (in_features
+    split) Linear on one rank, by the role each dim plays in its matmul."""
+    c = o.charge
+    shapes = [list(s) for s in c.shapes]
+    if role is None:
+        if fin != fout:
+            return _split_shapes(c.shapes, fout if style == "colwise" else fin, n)
+        # square: the side the op works on says whether its last dim is split
+        out_side = c.name in _OUTPUT_SIDE
+        if out_side == (style == "colwise"):
+            for s in shapes:
+                if s:
+                    s[-1] //= n
+        return tuple(tuple(s) for s in shapes)
+    bias = 1 if c.name.startswith("add") else 0   # addmm's bias comes first
+    a, b = shapes[bias], shapes[bias + 1]
+    # (operand, dim) of the split feature: colwise splits out, rowwise in
+    where = {("forward", "colwise"): [(b, 1)] + ([(shapes[0], -1)] if bias else []),
+             ("forward", "rowwise"): [(a, 1), (b, 0)],
+             ("grad_in", "colwise"): [(a, 1), (b, 0)],
+             ("grad_in", "rowwise"): [(b, 1)],
+             ("grad_weight", "colwise"): [(a, 0)],
+             ("grad_weight", "rowwise"): [(b, 1)]}[role, style]
+    for s, d in where:
+        s[d] //= n
+    return tuple(tuple(s) for s in shapes)
 
 
 def _optimizer_op(o, ratio: float, cfg, params: dict) -> tuple:
@@ -216,9 +346,6 @@ def _check_plan(tp: int, tp_plan: dict, linears: dict, modules) -> None:
         if size % tp:
             raise ValueError(f"replay: tp={tp} does not divide {name}.{dim}={size} "
                              f"({style}-parallel splits {dim}; Linear({fin}, {fout}))")
-        if fin == fout:
-            raise ValueError(f"replay: {name} is square (Linear({fin}, {fout})): the replay "
-                             f"finds the split dimension by its size, which is ambiguous here")
 
 
 def _local_bytes(params: dict, sharded) -> tuple:
@@ -265,8 +392,13 @@ def replay_tp(trace, tp: int, tp_plan: dict, cfg, nodes: int, fsdp: int = 1,
     ratio = local / full if full else 1.0
 
     # The sharded region: forward from a colwise Linear to the next rowwise one, backward
-    # from a rowwise Linear to the next colwise one; its ops run on 1/tp of the split dim.
+    # from a rowwise Linear to the next colwise one; its ops run on 1/tp of the split sizes
+    # (several colwise Linear layers may open one, as attention's q, k and v projections;
+    # backward's is forward's, found by its rowwise Linear).
     region = {False: None, True: None}
+    heads = {False: set(), True: set()}   # head counts met in each direction's region
+    opened = set()      # forward: the split sizes since the last rowwise Linear
+    paired = {}         # rowwise Linear -> its forward region's split sizes
     # (what, module, bytes) per launch, in issue order: a module called twice communicates
     # twice
     comms = []
@@ -281,32 +413,49 @@ def replay_tp(trace, tp: int, tp_plan: dict, cfg, nodes: int, fsdp: int = 1,
             seconds, flops = _optimizer_op(o, ratio, cfg, trace.params)
             out._op(c.name, o.module, o.backward, seconds, flops)
             continue
-        if style is not None:
-            fin, fout = trace.linears[o.module]
-            size = fout if style == "colwise" else fin
-            opens = (style == "colwise") != o.backward
-            region[o.backward] = size if opens else None
-        else:
-            size = region[o.backward]
-        if size is None and sp:
-            size = tokens   # outside the regions: the rank's share of the sequence
-        seconds, flops = (c.seconds, c.flops) if size is None else _split_op(o, size, tp, cfg)
-        out._op(c.name, o.module, o.backward, seconds, flops)
-        if style is None or c.engine != "tensor":
+        if style is None:
+            if region[o.backward] is not None:
+                seconds, flops = _split_op(o, None, tp, cfg,
+                                           _region_shapes(o, region[o.backward], tp,
+                                                          heads[o.backward]))
+            elif sp:   # outside the regions: the rank's share of the sequence
+                seconds, flops = _split_op(o, tokens, tp, cfg)
+            else:
+                seconds, flops = c.seconds, c.flops
+            out._op(c.name, o.module, o.backward, seconds, flops)
             continue
         fin, fout = trace.linears[o.module]
-        per_launch = c.bytes_out // c.count
-        grad_in = o.backward and _matmul_k(c) == fout   # contracts out_features
-        if style == "rowwise" and not o.backward:
-            comms += [("row_fwd", o.module, per_launch)] * c.count
-        if sp and style == "colwise" and not o.backward:
-            # the sequence-sharded input is all-gathered (tokens x in_features)
-            comms += [("all_gather", o.module, per_launch // fout * fin)] * c.count
-        if sp and style == "rowwise" and grad_in:
-            # and in backward the gradient of the sequence-sharded output
-            comms += [("all_gather", o.module, per_launch // fin * fout)] * c.count
-        if style == "colwise" and grad_in:
-            comms += [("col_grad_in", o.module, per_launch)] * c.count
+        if not o.backward:
+            if style == "colwise":
+                if not opened:
+                    heads[False] = set()
+                opened.add(fout)
+                region[False] = frozenset(opened)
+            else:
+                paired[o.module] = frozenset(opened | {fin})
+                opened.clear()
+                region[False] = None
+        else:
+            if style == "rowwise" and region[True] is None:
+                heads[True] = set()
+            region[True] = paired.get(o.module, frozenset({fin})) \
+                if style == "rowwise" else None
+        for part, role in _linear_parts(o, _linear_role(o, fin, fout)):
+            shapes = _linear_shapes(part, role, style, fin, fout, tp)
+            seconds, flops = _split_op(part, None, tp, cfg, shapes)
+            out._op(c.name, o.module, o.backward, seconds, flops)
+            n_launch = part.charge.count
+            per_launch = part.charge.bytes_out // n_launch
+            if style == "rowwise" and role == "forward":
+                comms += [("row_fwd", o.module, per_launch)] * n_launch
+            if sp and style == "colwise" and role == "forward":
+                # the sequence-sharded input is all-gathered (tokens x in_features)
+                comms += [("all_gather", o.module, per_launch // fout * fin)] * n_launch
+            if sp and style == "rowwise" and role == "grad_in":
+                # and in backward the gradient of the sequence-sharded output
+                comms += [("all_gather", o.module, per_launch // fin * fout)] * n_launch
+            if style == "colwise" and role == "grad_in":
+                comms += [("col_grad_in", o.module, per_launch)] * n_launch
     _tp_comms(out, trace, comms, sp, tp_plan, tp, nodes, cfg)
     out.seconds = out.device_seconds + out.collective_seconds
     return out
@@ -359,9 +508,3 @@ def _tp_comms(out: Replay, trace, comms: list, sp: bool, tp_plan: dict, tp: int,
             nbytes = math.prod(shape) * dtype.itemsize
             out._op("copy_d2d", fqn, True, copy_seconds(p, lnc, "copy_d2d", nbytes))
             collective("all_reduce", nbytes)
-
-
-def _matmul_k(c) -> int | None:
-    from ..cost_model import _matmul_dims
-    dims = _matmul_dims(c.name, list(c.shapes or ()))
-    return dims[2] if dims else None
