@@ -88,6 +88,17 @@ class AttnBlock(nn.Module):
         return self.feed_forward(x + self.attention(x))
 
 
+class NormAttnBlock(AttnBlock):
+    """Pre-norm: the norms are what sequence parallelism shards."""
+    def __init__(self, d, head_dim=32):
+        super().__init__(d, head_dim)
+        self.attention_norm = nn.LayerNorm(d)
+        self.feed_forward = NormBlock(d)
+
+    def forward(self, x):
+        return self.feed_forward(x + self.attention(self.attention_norm(x)))
+
+
 @dataclass
 class Workload:
     make: object        # () -> nn.Module
@@ -131,11 +142,22 @@ MODELS = {
                        lambda g: torch.randn(2, 64, 128, generator=g),
                        lambda m, x: m(x).square().mean(), ATTN_PLAN,
                        [f"blocks.{i}" for i in range(BLOCKS)] + [""]),
+    # TorchTitan's layout of them: pre-norm, sequence parallel on dim 1 of (batch, sequence)
+    "normattn": Workload(lambda: MLP(d=128, block=NormAttnBlock),
+                         lambda g: torch.randn(2, 48, 128, generator=g),
+                         lambda m, x: m(x).square().mean(),
+                         {**ATTN_PLAN, **{f"blocks.{i}.{n}": "sequence" for i in range(BLOCKS)
+                                          for n in ("attention_norm", "feed_forward.norm")}},
+                         [f"blocks.{i}" for i in range(BLOCKS)] + [""]),
     # FSDP only: a tensor-parallel GPT needs a head-aware plan for its fused qkv projection,
     # and an optimizer over DTensor and plain parameters at once is refused by DTensor.
     "gpt": Workload(lambda: GPT(GPT_CONFIG), _gpt_batch, lambda m, x: m(x, x)[1], None,
                     [f"blocks.{i}" for i in range(GPT_CONFIG.n_layer)] + [""]),
 }
+
+
+def _sequence_dim(w: Workload) -> int:
+    return 0 if w.batch(torch.Generator()).dim() == 2 else 1
 
 
 def build(model_name: str, layout: str, dev):
@@ -177,10 +199,12 @@ def build(model_name: str, layout: str, dev):
         mesh = init_device_mesh("neuron", (int(os.environ["WORLD_SIZE"]),))
         styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
         if layout == "sp":
-            # the sequence (dim 0 of the tokens) sharded outside the colwise-rowwise pairs
-            styles = {"colwise": lambda: ColwiseParallel(input_layouts=Shard(0)),
-                      "rowwise": lambda: RowwiseParallel(output_layouts=Shard(0)),
-                      "sequence": lambda: SequenceParallel(sequence_dim=0)}
+            # the sequence (dim 0 of tokens x features, dim 1 of batch x sequence x
+            # features) sharded outside the colwise-rowwise pairs
+            seq = _sequence_dim(w)
+            styles = {"colwise": lambda: ColwiseParallel(input_layouts=Shard(seq)),
+                      "rowwise": lambda: RowwiseParallel(output_layouts=Shard(seq)),
+                      "sequence": lambda: SequenceParallel(sequence_dim=seq)}
         parallelize_module(model, mesh, {k: styles[v]() for k, v in w.tp_plan.items()})
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     return model, opt
@@ -195,7 +219,7 @@ def traced_step(model_name: str, layout: str, dev, rank: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = w.batch(g).to(dev)
     if layout == "sp":   # each rank feeds its share of the sequence
-        x = x.chunk(int(os.environ["WORLD_SIZE"]))[rank].contiguous()
+        x = x.chunk(int(os.environ["WORLD_SIZE"]), _sequence_dim(w))[rank].contiguous()
 
     def step():
         opt.zero_grad(set_to_none=True)

@@ -31,7 +31,9 @@ CASES = {"mlp-fsdp": ("mlp", dict(fsdp=2, fsdp_units=MLP.fsdp_units)),
          # as many tokens as the projections are wide: gradients of the same shapes
          "attnsq-tp": ("attnsq", dict(tp=2, tp_plan=step_script.ATTN_PLAN)),
          # TorchTitan's sequence parallelism: norms sharded on the sequence
-         "normmlp-sp": ("normmlp", dict(tp=2, tp_plan=NORM.tp_plan))}
+         "normmlp-sp": ("normmlp", dict(tp=2, tp_plan=NORM.tp_plan)),
+         # and on (batch, sequence) inputs with attention, as TorchTitan lays out a block
+         "normattn-sp": ("normattn", dict(tp=2, tp_plan=step_script.MODELS["normattn"].tp_plan))}
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +92,9 @@ def test_replay_equals_a_real_2_rank_run(real, case):
     and
     pre-norm blocks under TP=2 with sequence parallelism (SequenceParallel norms, the
     colwise input and rowwise output sharded on the sequence: all-gathers and
-    reduce-scatters, and the all-reduce of the norms' gradients)."""
+    reduce-scatters, and the all-reduce of the norms' gradients), also for pre-norm
+    attention blocks on (batch, sequence) inputs sharded on dim 1 (DTensor's cat of the
+    chunks around each all-gather and reduce-scatter)."""
     model_name, layout = CASES[case]
     t = _trace(model_name)
     predicted = t.replay_layout(**layout)

@@ -281,20 +281,29 @@ def _linear_parts(o, role: str) -> list:
     return [(half, "grad_in"), (half, "grad_weight")]
 
 
-def _linear_shapes(o, role, style: str, fin: int, fout: int, n: int) -> tuple:
+def _linear_shapes(o, role, style: str, fin: int, fout: int, n: int, tokens=None) -> tuple:
     """The shapes of an op of a column- (out_features split) or row-parallel (in_features
-    split) Linear on one rank, by the role each dim plays in its matmul."""
+    split) Linear on one rank, by the role each dim plays in its matmul. A non-matmul op
+    works on one side, told by its last dim (for a square Linear, by the op: the bias
+    gradient's ``sum`` on the output, the accumulation of the input's gradient on the
+    input); with sequence parallelism (``tokens`` the sequence length) a column-parallel
+    Linear's input side is sequence-sharded too."""
     c = o.charge
     shapes = [list(s) for s in c.shapes]
     if role is None:
-        if fin != fout:
-            return _split_shapes(c.shapes, fout if style == "colwise" else fin, n)
-        # square: the side the op works on says whether its last dim is split
-        out_side = c.name in _OUTPUT_SIDE
-        if out_side == (style == "colwise"):
-            for s in shapes:
-                if s:
-                    s[-1] //= n
+        last = {s[-1] for s in shapes if s}
+        out_side = c.name in _OUTPUT_SIDE if fin == fout else last == {fout}
+        if fin != fout and last not in ({fin}, {fout}):
+            raise ValueError(f"replay: {c.name} {list(c.shapes)} in Linear({fin}, {fout}) "
+                             f"{o.module!r} works on neither its input nor its output "
+                             f"features; the replay cannot tell how tp shards it")
+        for s in shapes:
+            if not s:
+                continue
+            if out_side == (style == "colwise"):
+                s[-1] //= n
+            if tokens is not None and style == "colwise" and not out_side:
+                s[:-1] = [d // n if d == tokens else d for d in s[:-1]]
         return tuple(tuple(s) for s in shapes)
     bias = 1 if c.name.startswith("add") else 0   # addmm's bias comes first
     a, b = shapes[bias], shapes[bias + 1]
@@ -377,10 +386,10 @@ def replay_tp(trace, tp: int, tp_plan: dict, cfg, nodes: int, fsdp: int = 1,
     FSDP shards (of the TP-local parameters in ``fsdp_covered``)."""
     _check_plan(tp, tp_plan, trace.linears, trace.modules)
     # sequence parallelism (a "sequence" module in the plan, TorchTitan's layout): the ops
-    # outside the column-to-row-parallel regions run on 1/tp of the tokens (dim 0 of the
-    # root's input), all-reduces become all-gathers and reduce-scatters
+    # outside the column-to-row-parallel regions run on 1/tp of the sequence, all-reduces
+    # become all-gathers and reduce-scatters
     sp = "sequence" in tp_plan.values()
-    tokens = _root_dim0(trace, tp, "tp with sequence parallelism") if sp else None
+    tokens, seq_dim = _root_sequence(trace, tp) if sp else (None, None)
     out = Replay(f"tp={tp}" + (" sp" if sp else ""))
 
     def sharded(fqn, shape, numel):
@@ -441,24 +450,42 @@ def replay_tp(trace, tp: int, tp_plan: dict, cfg, nodes: int, fsdp: int = 1,
             region[True] = paired.get(o.module, frozenset({fin})) \
                 if style == "rowwise" else None
         for part, role in _linear_parts(o, _linear_role(o, fin, fout)):
-            shapes = _linear_shapes(part, role, style, fin, fout, tp)
+            shapes = _linear_shapes(part, role, style, fin, fout, tp, tokens)
             seconds, flops = _split_op(part, None, tp, cfg, shapes)
             out._op(c.name, o.module, o.backward, seconds, flops)
             n_launch = part.charge.count
             per_launch = part.charge.bytes_out // n_launch
             if style == "rowwise" and role == "forward":
-                comms += [("row_fwd", o.module, per_launch)] * n_launch
+                comms += [("row_fwd", o.module, per_launch, c.dtype)] * n_launch
             if sp and style == "colwise" and role == "forward":
                 # the sequence-sharded input is all-gathered (tokens x in_features)
-                comms += [("all_gather", o.module, per_launch // fout * fin)] * n_launch
+                comms += [("all_gather", o.module, per_launch // fout * fin, c.dtype)] * n_launch
             if sp and style == "rowwise" and role == "grad_in":
                 # and in backward the gradient of the sequence-sharded output
-                comms += [("all_gather", o.module, per_launch // fin * fout)] * n_launch
+                comms += [("row_grad_out", o.module, per_launch // fin * fout, c.dtype)] * n_launch
             if style == "colwise" and role == "grad_in":
-                comms += [("col_grad_in", o.module, per_launch)] * n_launch
-    _tp_comms(out, trace, comms, sp, tp_plan, tp, nodes, cfg)
+                comms += [("col_grad_in", o.module, per_launch, c.dtype)] * n_launch
+    sharded_seq = None if not sp or seq_dim == 0 else (trace.root_inputs[0][0][0], tokens)
+    _tp_comms(out, trace, comms, sp, tp_plan, tp, nodes, cfg, sharded_seq)
     out.seconds = out.device_seconds + out.collective_seconds
     return out
+
+
+def _root_sequence(trace, n: int) -> tuple:
+    """(length, dim) of the sequence that sequence parallelism splits: dim 0 of the root's
+    first input when it is (tokens, features), dim 1 when it is (batch, sequence, ...), as
+    ``SequenceParallel``'s default ``sequence_dim=1``."""
+    if trace.root_inputs and len(trace.root_inputs[0][0]) == 2:
+        return _root_dim0(trace, n, "tp with sequence parallelism"), 0
+    if not trace.root_inputs or len(trace.root_inputs[0][0]) < 2:
+        raise ValueError("replay: tp with sequence parallelism splits the sequence of the "
+                         "root's input, and the traced root took no tensor of 2 or more dims")
+    size = trace.root_inputs[0][0][1]
+    if size % n:
+        raise ValueError(f"replay: tp with sequence parallelism={n} does not divide the "
+                         f"sequence (dim 1, {size}) of the root's input "
+                         f"{trace.root_inputs[0][0]}")
+    return size, 1
 
 
 def _root_dim0(trace, n: int, what: str) -> int:
@@ -475,36 +502,45 @@ def _root_dim0(trace, n: int, what: str) -> int:
 
 
 def _tp_comms(out: Replay, trace, comms: list, sp: bool, tp_plan: dict, tp: int, nodes: int,
-              cfg) -> None:
+              cfg, sharded_seq=None) -> None:
     """TP's collectives in issue order and the device work around them: per row-parallel
     forward the bias division (a replicated bias becomes a Partial sum) and the all-reduce of
     the output (reduce-scatter with sp), per column-parallel input gradient its all-reduce
     (reduce-scatter with sp); functional all-reduces copy their output. With sp, the
     all-gathers found in the trace, and at the end the all-reduce (and copy) of each
-    gradient of a sequence-parallel module's (replicated) parameters."""
+    gradient of a sequence-parallel module's (replicated) parameters. A sequence on dim 1
+    (``sharded_seq`` = (batch, sequence length)) is not the dim the collectives concatenate
+    or scatter (dim 0): DTensor ``cat``s the tp chunks along it, after each all-gather and
+    before each reduce-scatter."""
     from ..cost_model import copy_seconds, op_seconds
     from ..distributed.collectives_model import collective_seconds
     p, lnc = cfg
 
-    def collective(op, nbytes):
+    def collective(op, nbytes, dtype, name, backward):
         out._collective(op, nbytes, tp, collective_seconds(op, nbytes, tp, nodes, p, lnc))
-    for what, name, nbytes in comms:
-        if what == "all_gather":
-            collective("all_gather", nbytes)
+        if sharded_seq is not None and op != "all_reduce":
+            batch, seq = sharded_seq
+            chunk = (batch, seq // tp, nbytes // dtype.itemsize // (batch * seq))
+            # the runtime keeps the first three shapes of a list
+            out._op("cat", name, backward, op_seconds(
+                p, lnc, "cat", [chunk] * min(tp, 3), dtype, nbytes, nbytes)[0])
+    for what, name, nbytes, dtype in comms:
+        backward = what in ("col_grad_in", "row_grad_out")
+        if what in ("all_gather", "row_grad_out"):
+            collective("all_gather", nbytes, dtype, name, backward)
             continue
         if what == "row_fwd" and trace.params.get(name + ".bias") is not None:
-            dtype = trace.params[name + ".bias"][1]
-            b = trace.linears[name][1] * dtype.itemsize
-            out._op("div", name, False, op_seconds(p, lnc, "div", [(b // dtype.itemsize,)],
-                                                   dtype, b, b)[0])
+            bdtype = trace.params[name + ".bias"][1]
+            b = trace.linears[name][1] * bdtype.itemsize
+            out._op("div", name, False, op_seconds(p, lnc, "div", [(b // bdtype.itemsize,)],
+                                                   bdtype, b, b)[0])
         if sp:
-            collective("reduce_scatter", nbytes)
+            collective("reduce_scatter", nbytes, dtype, name, backward)
         else:
-            out._op("copy_d2d", name, what == "col_grad_in",
-                    copy_seconds(p, lnc, "copy_d2d", nbytes))
-            collective("all_reduce", nbytes)
+            out._op("copy_d2d", name, backward, copy_seconds(p, lnc, "copy_d2d", nbytes))
+            collective("all_reduce", nbytes, dtype, name, backward)
     for fqn, (shape, dtype) in trace.params.items():
         if tp_plan.get(fqn.rpartition(".")[0]) == "sequence":
             nbytes = math.prod(shape) * dtype.itemsize
             out._op("copy_d2d", fqn, True, copy_seconds(p, lnc, "copy_d2d", nbytes))
-            collective("all_reduce", nbytes)
+            collective("all_reduce", nbytes, dtype, fqn, True)
