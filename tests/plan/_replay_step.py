@@ -22,7 +22,7 @@ from torch_neuronx.demo.gpt import GPT, GPTConfig
 DIM, BLOCKS, TOKENS = 256, 2, 128
 GPT_CONFIG = GPTConfig(n_layer=2)
 GPT_BATCH = 2
-HSDP_SHARD = 2
+HSDP_SHARD = int(os.environ.get("HSDP_SHARD", "2"))   # the hsdp layouts' shard degree
 TP_2D = 2
 
 
@@ -186,11 +186,20 @@ def build(model_name: str, layout: str, dev):
         from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                        parallelize_module)
         world = int(os.environ["WORLD_SIZE"])
-        mesh = init_device_mesh("neuron", (world // TP_2D, TP_2D), mesh_dim_names=("dp", "tp"))
+        # HSDP_REPLICATE=R > 1: 3-D, FSDP2 over a (replicate, shard) sub-mesh (HSDP x TP;
+        # a shard dim of 1 is data parallelism x TP as FSDP2 spells it)
+        r = int(os.environ.get("HSDP_REPLICATE", "1"))
+        if r > 1:
+            mesh = init_device_mesh("neuron", (r, world // (r * TP_2D), TP_2D),
+                                    mesh_dim_names=("replicate", "shard", "tp"))
+            dp = mesh["replicate", "shard"]
+        else:
+            mesh = init_device_mesh("neuron", (world // TP_2D, TP_2D), mesh_dim_names=("dp", "tp"))
+            dp = mesh["dp"]
         styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
         parallelize_module(model, mesh["tp"], {k: styles[v]() for k, v in w.tp_plan.items()})
         for name in w.fsdp_units:
-            fully_shard(model.get_submodule(name), mesh=mesh["dp"])
+            fully_shard(model.get_submodule(name), mesh=dp)
     elif layout in ("tp", "sp"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard

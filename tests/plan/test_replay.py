@@ -186,10 +186,9 @@ def test_fsdp_optimizer_work_is_divided_by_the_degree(traced):
     (dict(tp=2), r"tp > 1 needs tp_plan"),
     (dict(fsdp=2), r"fsdp > 1 needs fsdp_units"),
     (dict(fsdp=2, fsdp_units=["blocks.7"]), r"fsdp_units names 'blocks.7'"),
-    (dict(fsdp=2, fsdp_units=[""], tp=2, tp_plan=TP_PLAN, replicate=2),
-     r"fsdp=2 with replicate=2 with tp=2 is not replayed yet"),
+    (dict(fsdp=2, fsdp_units=[""], pp=2), r"fsdp=2 with pp=2 is not replayed yet"),
     (dict(fsdp=0), r"fsdp=0 must be a positive int"),
-    (dict(replicate=2), r"replicate=2 is HSDP's replica degree and needs fsdp > 1"),
+    (dict(replicate=2), r"replicate=2 is HSDP's replica degree: with fsdp_units it is FSDP2 over a \(replicate, 1\) mesh"),
     (dict(fsdp=2, fsdp_units=[""], replicate=0), r"replicate=0 must be a positive int"),
     (dict(dp=2), r"dp=2 re-prices the traced step's data-parallel collectives, and it issued none"),
     (dict(dp=2, tp=2, tp_plan=TP_PLAN), r"tp=2 with dp=2 is not replayed yet"),
@@ -330,6 +329,26 @@ def test_fsdp_x_tp_replay_equals_a_real_4_rank_run(traced):
     assert len(gathers) == len(alone) == 4
     assert all(a // 2 < g < a for g, a in zip(gathers, alone))
     assert predicted.flops == pytest.approx(tp.flops)
+
+
+def test_fsdp2_replicas_with_and_without_tp_equal_real_runs(traced):
+    """FSDP2 over a (replicate, shard) mesh with a shard degree of 1 (data parallelism as
+    FSDP2 spells it: no all-gather, the reduce-scatter a copy, the replicas' all-reduce), on
+    2 ranks alone and on 4 with TP=2 inside; and 3-D, HSDP (replicate 2, shard 2) x TP=2 on
+    8 ranks. Every rank reports the replay's step, collective by collective."""
+    cases = [(2, "mlp-hsdp", dict(HSDP_SHARD="1"), dict(replicate=2)),
+             (4, "mlp-fsdptp", dict(HSDP_REPLICATE="2"), dict(replicate=2, tp=2, tp_plan=TP_PLAN)),
+             (8, "mlp-fsdptp", dict(HSDP_REPLICATE="2", NEURON_RT_NUM_CORES="8"),
+              dict(fsdp=2, replicate=2, tp=2, tp_plan=TP_PLAN))]
+    for world, mode, env, layout in cases:
+        predicted = traced.replay_layout(fsdp_units=FSDP_UNITS, **layout)
+        want = sorted((op, nbytes, group) for op, nbytes, group, _ in predicted.collectives)
+        for r in (out[mode] for out in ranks(world, "_replay_step.py", mode, env=env)):
+            assert sorted(tuple(c[:3]) for c in r["collectives"]) == want, (world, mode)
+            assert r["seconds"] == pytest.approx(predicted.seconds, rel=1e-9), (world, mode)
+        ops = {c[0] for c in predicted.collectives}
+        assert ops == ({"all_reduce"} if predicted.layout.startswith("fsdp=1") else
+                       {"all_reduce", "all_gather", "reduce_scatter"})
 
 
 def test_mixed_precision_fsdp_replay_equals_a_real_2_rank_run(traced, traced_gpt):

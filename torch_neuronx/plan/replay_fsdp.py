@@ -15,8 +15,12 @@ HSDP (FSDP=S with replicate=R, ``fully_shard`` over a (R, S) mesh): FSDP=S's ste
   unit in backward the ``all_reduce`` of its reduce-scattered shard over the R replicas.
 Mixed precision (FSDP2's MixedPrecisionPolicy, with FSDP or HSDP): the traced ops re-priced
   in param_dtype, the collectives and copies in param_dtype/reduce_dtype, the casts added.
-FSDP=N x TP=T (a (dp, tp) mesh, TP inside): TP=T's replay with the optimizer stepping the
-  FSDP shards, plus FSDP=N over the TP-local parameters.
+FSDP=N x TP=T (a (dp, tp) mesh, TP inside; with replicate=R a (R, N, T) mesh): TP=T's
+  replay with the optimizer stepping the FSDP shards, plus FSDP=N (HSDP) over the TP-local
+  parameters.
+A shard degree of 1 (replicate=R alone, FSDP2 over a (R, 1) mesh: data parallelism as
+  FSDP2 spells it, with or without TP): no all-gather and no copy-in, the shards copied out as
+  they are; the reduce-scatter a copy of its input; the all-reduce over the replicas.
 """
 from __future__ import annotations
 
@@ -81,19 +85,29 @@ def replay_fsdp(trace, n: int, units, cfg, nodes: int, replicate: int = 1, tp: i
     layout is the traced ops as its ranks run them (TP's replay, or the traced ops with the
     optimizer on the shards, re-priced in param_dtype under mixed precision) plus FSDP's
     collectives and copies over the parameters those ranks hold."""
+    if n == 1 and not units:
+        raise ValueError("replay: replicate > 1 with fsdp=1 is FSDP2 over a (replicate, 1) "
+                         "mesh and needs fsdp_units, the names of the modules fully_shard "
+                         "wraps ('' for the root)")
+    if n == 1 and mp_policy is not None:
+        raise ValueError("replay: mp_policy with a shard degree of 1 is not replayed (FSDP2 "
+                         "casts without all-gathering)")
     units, covered = _check_units(trace, n, units)
     mp = _mp_dtypes(trace, mp_policy, covered, tp)
     if tp > 1:
         if "sequence" in (tp_plan or {}).values():
             raise ValueError("replay: fsdp with sequence-parallel tp is not replayed yet "
                              "(checked against real runs: tp with sequence parallelism alone)")
-        # The mesh is (dp, tp), ranks tp-major: a TP group spans ceil(nodes / n) nodes, an
-        # FSDP group one rank on each of min(n, nodes).
-        out = replay_tp(trace, tp, tp_plan, cfg, -(-nodes // n), fsdp=n, fsdp_covered=covered)
-        out.layout = f"fsdp={n} tp={tp}"
+        # The mesh is (replicate, shard, tp), ranks tp-major: a TP group spans
+        # ceil(nodes / (replicate x n)) nodes, an FSDP group one rank on each of
+        # min(n, ceil(nodes / replicate)), a replica group one on each of min(replicate, nodes).
+        out = replay_tp(trace, tp, tp_plan, cfg, -(-nodes // (n * replicate)), fsdp=n,
+                        fsdp_covered=covered)
+        out.layout = (f"fsdp={n}" + (f" replicate={replicate}" if replicate > 1 else "")
+                      + f" tp={tp}")
         params = {fqn: (_tp_local_shape(fqn, shape, tp_plan, tp), dtype)
                   for fqn, (shape, dtype) in trace.params.items()}
-        groups = _FsdpGroups(n, min(n, nodes), replicate, 1)
+        groups = _FsdpGroups(n, min(n, -(-nodes // replicate)), replicate, min(replicate, nodes))
     else:
         out = _traced_ops(trace, n, covered, cfg, mp)
         out.layout = f"fsdp={n}" + (f" replicate={replicate}" if replicate > 1 else "")
@@ -201,12 +215,14 @@ def _add_fsdp(out: Replay, trace, units, params: dict, groups: _FsdpGroups, cfg,
             dtype = mp[0] if mp else dtype
             nbytes, launches = 2 * sum(shards) * dtype.itemsize, 1   # dst and src
         item = dtype.itemsize
-        copy_in[unit] = op_seconds(p, lnc, "_foreach_copy_", [(s,) for s in shards], dtype,
-                                   nbytes, 0, launches)[0]
-        out._op("_foreach_copy_", unit, bw, copy_in[unit])
-        flat = n * sum(shards) * item
-        out._collective("all_gather", flat, n, collective_seconds(
-            "all_gather", flat, n, groups.shard_nodes, p, lnc))
+        copy_in[unit] = 0.0
+        if n > 1:   # a shard group of one rank gathers nothing: its shards are copied out
+            copy_in[unit] = op_seconds(p, lnc, "_foreach_copy_", [(s,) for s in shards],
+                                       dtype, nbytes, 0, launches)[0]
+            out._op("_foreach_copy_", unit, bw, copy_in[unit])
+            flat = n * sum(shards) * item
+            out._collective("all_gather", flat, n, collective_seconds(
+                "all_gather", flat, n, groups.shard_nodes, p, lnc))
         copy_out[unit] = 0.0
         for s in shards:   # copy-out: each parameter's (n, shard) rows from the flat output
             seconds = copy_seconds(p, lnc, "copy_d2d", n * s * item)
@@ -234,8 +250,11 @@ def _add_fsdp(out: Replay, trace, units, params: dict, groups: _FsdpGroups, cfg,
         # cat's output buffer among its inputs, as it records chunk_cat)
         out._op("cat", unit, True, op_seconds(p, lnc, "cat", [(n, s) for s in shards], dtype,
                                               flat + grads, flat)[0])
-        out._collective("reduce_scatter", flat, n, collective_seconds(
-            "reduce_scatter", flat, n, groups.shard_nodes, p, lnc))
+        if n > 1:
+            out._collective("reduce_scatter", flat, n, collective_seconds(
+                "reduce_scatter", flat, n, groups.shard_nodes, p, lnc))
+        else:   # one rank: the reduce-scatter is a copy of its input to its output
+            out._op("copy_d2d", unit, True, copy_seconds(p, lnc, "copy_d2d", flat))
         if groups.replicate > 1:
             # HSDP: the reduce-scattered shard is then all-reduced across the replicas
             # (averaged on the host, as the reduce-scatter is: no device op)

@@ -77,7 +77,9 @@ class StepTrace:
         "sequence" for TorchTitan's sequence parallelism), or data parallelism
         over ``dp`` ranks, on ``nodes`` nodes. ``replicate=R`` with ``fsdp=S`` is HSDP
         (``fully_shard`` over a (R, S) mesh: sharded over S, replicated over R; R x S ranks);
-        ``fsdp=N`` with ``tp=T`` is 2-D FSDP x TP on a (N, T) mesh (N x T ranks);
+        ``fsdp=N`` with ``tp=T`` is 2-D FSDP x TP on a (N, T) mesh (N x T ranks), with
+        ``replicate=R`` too 3-D on a (R, N, T) mesh; ``replicate=R`` with fsdp=1 is FSDP2
+        over a (R, 1) mesh (data parallelism as FSDP2 spells it), with or without tp;
         ``mp_policy`` is FSDP2's ``MixedPrecisionPolicy`` (param_dtype, reduce_dtype) with
         fsdp. ``pp`` is torch.distributed.pipelining with one stage per rank (``pp_stages``:
         the module names of each stage), ``schedule`` "gpipe" or "1f1b" over
@@ -95,15 +97,18 @@ class StepTrace:
                 raise ValueError(f"replay_layout: {name}={degree!r} must be a positive int")
         degrees = {k: v for k, v in (("fsdp", fsdp), ("replicate", replicate), ("tp", tp),
                                      ("dp", dp), ("pp", pp), ("ep", ep)) if v > 1}
-        if set(degrees) == {"replicate"}:
-            raise ValueError(f"replay_layout: replicate={replicate} is HSDP's replica degree "
-                             "and needs fsdp > 1 (the shard degree); for plain data "
-                             "parallelism use dp")
-        if len(degrees) > 1 and set(degrees) not in ({"fsdp", "replicate"}, {"fsdp", "tp"}):
+        if set(degrees) == {"replicate"} and fsdp_units is None:
+            raise ValueError(f"replay_layout: replicate={replicate} is HSDP's replica degree: "
+                             "with fsdp_units it is FSDP2 over a (replicate, 1) mesh; for "
+                             "DDP use dp")
+        if len(degrees) > 1 and set(degrees) not in ({"fsdp", "replicate"}, {"fsdp", "tp"},
+                                                     {"fsdp", "replicate", "tp"},
+                                                     {"replicate", "tp"}):
             several = " with ".join(f"{k}={v}" for k, v in degrees.items())
             raise ValueError(f"replay_layout: {several} is not replayed yet; replayed: fsdp, "
-                             "tp, dp, pp or ep alone, fsdp with replicate (HSDP), fsdp with tp")
-        if mp_policy is not None and fsdp == 1:
+                             "tp, dp, pp or ep alone, replicate (with fsdp: HSDP) and fsdp, "
+                             "each with or without tp")
+        if mp_policy is not None and fsdp == 1 and replicate == 1:
             raise ValueError("replay_layout: mp_policy is FSDP2's MixedPrecisionPolicy and "
                              "needs fsdp > 1")
         cfg = _state.config()
@@ -130,7 +135,7 @@ class StepTrace:
         if pp > 1:
             from .replay_pp import replay_pp
             return replay_pp(self, pp, pp_stages, schedule, microbatches, cfg, nodes)
-        if tp > 1 and fsdp == 1:
+        if tp > 1 and fsdp == 1 and replicate == 1:
             return replay_tp(self, tp, tp_plan, cfg, nodes)
         return replay_fsdp(self, fsdp, fsdp_units, cfg, nodes, replicate, tp, tp_plan,
                            mp_policy)
