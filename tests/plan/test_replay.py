@@ -216,6 +216,25 @@ def test_attention_tp_must_divide_the_heads(traced_attn):
         traced_attn.replay_layout(tp=8, tp_plan=step_script.ATTN_PLAN)
 
 
+def test_a_compiled_step_is_refused_by_name():
+    """Under torch.compile the modules run inside compiled graphs: their work cannot be
+    attributed to them, so sharded layouts refuse the trace, naming the module."""
+    dev = torch.device("neuron", 0)
+    torch.manual_seed(0)
+    model = step_script.MLP().to(dev)
+    compiled = torch.compile(model, backend="neuron")
+    x = torch.randn(step_script.TOKENS, step_script.DIM, device=dev)
+    compiled(x).square().mean().backward()
+    with plan.trace(dev, model) as t:
+        compiled(x).square().mean().backward()
+    with pytest.raises(ValueError, match=r"tp_plan names 'blocks.0.fc1', which ran no forward "
+                                         r"in the traced step \(under torch.compile"):
+        t.replay_layout(tp=2, tp_plan=TP_PLAN)
+    with pytest.raises(ValueError, match=r"fsdp unit 'blocks.0' ran forward 0 times .* \(under "
+                                         r"torch.compile"):
+        t.replay_layout(fsdp=2, fsdp_units=FSDP_UNITS)
+
+
 def test_a_trace_without_its_module_cannot_be_replayed():
     x = torch.ones(4, 4, device="neuron")
     with plan.trace() as t:

@@ -334,7 +334,7 @@ def _optimizer_op(o, ratio: float, cfg, params: dict) -> tuple:
     return _reprice(c, c.shapes, round(c.bytes_in * ratio), round(c.bytes_out * ratio), cfg)
 
 
-def _check_plan(tp: int, tp_plan: dict, linears: dict, modules) -> None:
+def _check_plan(tp: int, tp_plan: dict, linears: dict, modules, calls: dict) -> None:
     if not tp_plan:
         raise ValueError("replay: tp > 1 needs tp_plan, {module name: 'colwise' | 'rowwise' "
                          "| 'sequence'}")
@@ -350,6 +350,11 @@ def _check_plan(tp: int, tp_plan: dict, linears: dict, modules) -> None:
             known = ", ".join(sorted(linears)) or "none"
             raise ValueError(f"replay: tp_plan names {name!r}, which is not an nn.Linear of the "
                              f"traced module (its Linear modules: {known})")
+        if not calls.get(name):
+            raise ValueError(f"replay: tp_plan names {name!r}, which ran no forward in the "
+                             f"traced step (under torch.compile modules run inside compiled "
+                             f"graphs, whose work cannot be attributed to them: trace the "
+                             f"step eagerly)")
         fin, fout = linears[name]
         dim, size = ("out_features", fout) if style == "colwise" else ("in_features", fin)
         if size % tp:
@@ -384,7 +389,7 @@ def replay_tp(trace, tp: int, tp_plan: dict, cfg, nodes: int, fsdp: int = 1,
               fsdp_covered=frozenset()) -> Replay:
     """TP=tp; with ``fsdp`` > 1 the TP part of a 2-D run: the optimizer also steps only the
     FSDP shards (of the TP-local parameters in ``fsdp_covered``)."""
-    _check_plan(tp, tp_plan, trace.linears, trace.modules)
+    _check_plan(tp, tp_plan, trace.linears, trace.modules, trace.forward_calls)
     # sequence parallelism (a "sequence" module in the plan, TorchTitan's layout): the ops
     # outside the column-to-row-parallel regions run on 1/tp of the sequence, all-reduces
     # become all-gathers and reduce-scatters

@@ -196,7 +196,10 @@ def _add_fsdp(out: Replay, trace, units, params: dict, groups: _FsdpGroups, cfg,
         if calls != 1:
             raise ValueError(f"replay: fsdp unit {unit!r} ran forward {calls} times in the "
                              f"traced step; FSDP2 all-gathers and reshards it per call, which "
-                             f"is replayed for one call only")
+                             f"is replayed for one call only" + (
+                                 " (under torch.compile modules run inside compiled graphs, "
+                                 "whose work cannot be attributed to them: trace the step "
+                                 "eagerly)" if calls == 0 else ""))
         dtype = owned[0][1]
         if any(d != dtype for _, d in owned):
             raise ValueError(f"replay: fsdp unit {unit!r} mixes parameter dtypes; FSDP2 "
