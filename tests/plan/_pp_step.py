@@ -29,9 +29,19 @@ def main():
     dev = torch.device("neuron", rank)
     torch.neuron.set_device(dev)
     torch.manual_seed(0)
-    model = step_script.MLP(n=world)
-    block = model.blocks[rank].to(dev)
-    stage = PipelineStage(block, rank, world, dev)
+    # PP_TP=T > 1: TP=T inside each stage, a (pp, tp) mesh (TorchTitan's order: pp outermost)
+    tp = int(os.environ.get("PP_TP", "1"))
+    pp, group = world // tp, None
+    model = step_script.MLP(n=pp)
+    block = model.blocks[rank // tp].to(dev)
+    if tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                       parallelize_module)
+        mesh = init_device_mesh("neuron", (pp, tp), mesh_dim_names=("pp", "tp"))
+        parallelize_module(block, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        group = mesh["pp"].get_group()
+    stage = PipelineStage(block, rank // tp, pp, dev, group=group)
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     sched = cls(stage, m, loss_fn=loss_fn)
     opt = torch.optim.SGD(block.parameters(), lr=0.01)
@@ -40,9 +50,9 @@ def main():
 
     def step():
         opt.zero_grad(set_to_none=True)
-        if rank == 0:
+        if rank // tp == 0:
             sched.step(x)
-        elif rank == world - 1:
+        elif rank // tp == pp - 1:
             sched.step(target=x, losses=[])
         else:
             sched.step()

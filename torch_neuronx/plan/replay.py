@@ -160,20 +160,33 @@ def _reprice(charge, shapes, bytes_in: int, bytes_out: int, cfg, dtype=None) -> 
 def _split_op(o, size: int, n: int, cfg, shapes=None) -> tuple:
     """(seconds, flops) of traced op ``o`` with every dim equal to ``size`` divided by n, or
     at the sharded ``shapes`` when given."""
+    c = _local_charge(o, _split_shapes(o.charge.shapes or (), size, n) if shapes is None
+                      else shapes, cfg)
+    return c.seconds, c.flops
+
+
+def _priced(o):
+    """``o``'s charge, when the cost model priced it from shapes that a layout can shard."""
     c = o.charge
     if c.name == "fused_pointwise":
         # its shapes are (elements, ops): which of its operands are split is lost
-        raise ValueError(f"replay: an Adaptive Eager fused kernel ran in tensor-parallel "
-                         f"module {o.module!r} (or between a column- and a row-parallel "
-                         f"Linear); trace with torch_neuronx.set_adaptive_eager(False) to "
-                         f"replay tp")
+        raise ValueError(f"replay: an Adaptive Eager fused kernel ran in sharded module "
+                         f"{o.module!r} (or between a column- and a row-parallel Linear); "
+                         f"trace with torch_neuronx.set_adaptive_eager(False) to replay it")
     if c.shapes is None:
-        raise ValueError(f"replay: {c.name} in tensor-parallel module {o.module!r} is not an "
-                         f"op the cost model priced from shapes (engine {c.engine}); it cannot "
-                         f"be re-priced for tp")
-    new = _split_shapes(c.shapes, size, n) if shapes is None else shapes
+        raise ValueError(f"replay: {c.name} in sharded module {o.module!r} is not an op the "
+                         f"cost model priced from shapes (engine {c.engine}); it cannot be "
+                         f"re-priced at sharded shapes")
+    return c
+
+
+def _local_charge(o, new, cfg):
+    """Traced op ``o``'s charge (a ``cost_model.OpCharge``) at the sharded shapes ``new``:
+    its bytes scaled, re-priced by the cost model."""
+    c = _priced(o)
+    new = tuple(new)
     if new == c.shapes:
-        return c.seconds, c.flops
+        return c
     old_in = sum(math.prod(s) for s in c.shapes)
     new_in = sum(math.prod(s) for s in new)
     unrecorded = _UNRECORDED_INPUTS.get(c.name)
@@ -186,7 +199,9 @@ def _split_op(o, size: int, n: int, cfg, shapes=None) -> tuple:
     # the record sums its launches' bytes; each launch has the recorded shapes
     per_launch = c.bytes_out // c.count // item
     bytes_out = c.count * _out_numel(c.name, c.shapes, new, per_launch, o.module) * item
-    return _reprice(c, new, bytes_in, bytes_out, cfg)
+    seconds, flops = _reprice(c, new, bytes_in, bytes_out, cfg)
+    return replace(c, shapes=new, bytes_in=bytes_in, bytes_out=bytes_out, seconds=seconds,
+                   flops=flops)
 
 
 def _region_shapes(o, sizes: frozenset, n: int, heads: set) -> tuple:
@@ -197,6 +212,7 @@ def _region_shapes(o, sizes: frozenset, n: int, heads: set) -> tuple:
     (batch, heads, tokens, head_dim) or (batch, tokens, heads, head_dim), or, after one of
     those, a dim 1 or 2 of a 4-D shape equal to a head count found in the region (``heads``,
     which this adds to: rotary halves, scores)."""
+    _priced(o)
     out = []
     for s in o.charge.shapes:
         if any(d in sizes for d in s):
@@ -242,8 +258,8 @@ def _linear_role(o, fin: int, fout: int) -> str | None:
     equals out_features (both gradients then have the same shapes); None for a non-matmul
     op."""
     from ..cost_model import _matmul_dims
-    c = o.charge
-    dims = _matmul_dims(c.name, list(c.shapes or ())) if c.engine == "tensor" else None
+    c = _priced(o)
+    dims = _matmul_dims(c.name, list(c.shapes)) if c.engine == "tensor" else None
     if dims is None:
         return None
     _, m, k, nn = dims
@@ -390,11 +406,7 @@ def replay_tp(trace, tp: int, tp_plan: dict, cfg, nodes: int, fsdp: int = 1,
     """TP=tp; with ``fsdp`` > 1 the TP part of a 2-D run: the optimizer also steps only the
     FSDP shards (of the TP-local parameters in ``fsdp_covered``)."""
     _check_plan(tp, tp_plan, trace.linears, trace.modules, trace.forward_calls)
-    # sequence parallelism (a "sequence" module in the plan, TorchTitan's layout): the ops
-    # outside the column-to-row-parallel regions run on 1/tp of the sequence, all-reduces
-    # become all-gathers and reduce-scatters
     sp = "sequence" in tp_plan.values()
-    tokens, seq_dim = _root_sequence(trace, tp) if sp else (None, None)
     out = Replay(f"tp={tp}" + (" sp" if sp else ""))
 
     def sharded(fqn, shape, numel):
@@ -404,7 +416,36 @@ def replay_tp(trace, tp: int, tp_plan: dict, cfg, nodes: int, fsdp: int = 1,
         return math.prod(local)
     local, full = _local_bytes(trace.params, sharded)
     ratio = local / full if full else 1.0
+    # (what, module, bytes, dtype) per launch, in issue order: a module called twice
+    # communicates twice
+    comms = []
+    for kind, x in tp_stream(trace, tp, tp_plan, cfg):
+        if kind == "comm":
+            comms.append(x)
+        elif _is_optimizer(x.charge.name):
+            out._op(x.charge.name, x.module, x.backward, *_optimizer_op(x, ratio, cfg,
+                                                                          trace.params))
+        else:
+            out._op(x.charge.name, x.module, x.backward, x.charge.seconds, x.charge.flops)
+    tokens, seq_dim = _root_sequence(trace, tp) if sp else (None, None)
+    sharded_seq = None if not sp or seq_dim == 0 else (trace.root_inputs[0][0][0], tokens)
+    _tp_comms(out, trace, comms, sp, tp_plan, tp, nodes, cfg, sharded_seq)
+    out.seconds = out.device_seconds + out.collective_seconds
+    return out
 
+
+def tp_stream(trace, tp: int, tp_plan: dict, cfg):
+    """One TP rank's work in issue order: ("op", a TracedOp whose charge is re-priced at the
+    rank's shapes; the optimizer's as traced) and ("comm", (what, module, bytes per launch,
+    dtype)) after the op that issues it: "row_fwd" (a row-parallel forward's all-reduce, or
+    reduce-scatter with sp), "col_grad_in" (a column-parallel input gradient's), "all_gather"
+    (sp: a column-parallel input) and "row_grad_out" (sp: a row-parallel output's gradient)."""
+    _check_plan(tp, tp_plan, trace.linears, trace.modules, trace.forward_calls)
+    # sequence parallelism (a "sequence" module in the plan, TorchTitan's layout): the ops
+    # outside the column-to-row-parallel regions run on 1/tp of the sequence, all-reduces
+    # become all-gathers and reduce-scatters
+    sp = "sequence" in tp_plan.values()
+    tokens, _ = _root_sequence(trace, tp) if sp else (None, None)
     # The sharded region: forward from a colwise Linear to the next rowwise one, backward
     # from a rowwise Linear to the next colwise one; its ops run on 1/tp of the split sizes
     # (several colwise Linear layers may open one, as attention's q, k and v projections;
@@ -413,9 +454,6 @@ def replay_tp(trace, tp: int, tp_plan: dict, cfg, nodes: int, fsdp: int = 1,
     heads = {False: set(), True: set()}   # head counts met in each direction's region
     opened = set()      # forward: the split sizes since the last rowwise Linear
     paired = {}         # rowwise Linear -> its forward region's split sizes
-    # (what, module, bytes) per launch, in issue order: a module called twice communicates
-    # twice
-    comms = []
     for o in trace.ops:
         c = o.charge
         if c.engine == "collective":
@@ -424,19 +462,16 @@ def replay_tp(trace, tp: int, tp_plan: dict, cfg, nodes: int, fsdp: int = 1,
         style = tp_plan.get(o.module)
         style = None if style == "sequence" else style
         if _is_optimizer(c.name):
-            seconds, flops = _optimizer_op(o, ratio, cfg, trace.params)
-            out._op(c.name, o.module, o.backward, seconds, flops)
+            yield "op", o
             continue
         if style is None:
             if region[o.backward] is not None:
-                seconds, flops = _split_op(o, None, tp, cfg,
-                                           _region_shapes(o, region[o.backward], tp,
-                                                          heads[o.backward]))
+                new = _region_shapes(o, region[o.backward], tp, heads[o.backward])
             elif sp:   # outside the regions: the rank's share of the sequence
-                seconds, flops = _split_op(o, tokens, tp, cfg)
+                new = _split_shapes(c.shapes or (), tokens, tp)
             else:
-                seconds, flops = c.seconds, c.flops
-            out._op(c.name, o.module, o.backward, seconds, flops)
+                new = c.shapes
+            yield "op", (o if new == c.shapes else replace(o, charge=_local_charge(o, new, cfg)))
             continue
         fin, fout = trace.linears[o.module]
         if not o.backward:
@@ -456,24 +491,23 @@ def replay_tp(trace, tp: int, tp_plan: dict, cfg, nodes: int, fsdp: int = 1,
                 if style == "rowwise" else None
         for part, role in _linear_parts(o, _linear_role(o, fin, fout)):
             shapes = _linear_shapes(part, role, style, fin, fout, tp, tokens)
-            seconds, flops = _split_op(part, None, tp, cfg, shapes)
-            out._op(c.name, o.module, o.backward, seconds, flops)
+            yield "op", replace(part, charge=_local_charge(part, shapes, cfg))
             n_launch = part.charge.count
             per_launch = part.charge.bytes_out // n_launch
+            what = None
             if style == "rowwise" and role == "forward":
-                comms += [("row_fwd", o.module, per_launch, c.dtype)] * n_launch
+                what, nbytes = "row_fwd", per_launch
             if sp and style == "colwise" and role == "forward":
                 # the sequence-sharded input is all-gathered (tokens x in_features)
-                comms += [("all_gather", o.module, per_launch // fout * fin, c.dtype)] * n_launch
+                what, nbytes = "all_gather", per_launch // fout * fin
             if sp and style == "rowwise" and role == "grad_in":
                 # and in backward the gradient of the sequence-sharded output
-                comms += [("row_grad_out", o.module, per_launch // fin * fout, c.dtype)] * n_launch
+                what, nbytes = "row_grad_out", per_launch // fin * fout
             if style == "colwise" and role == "grad_in":
-                comms += [("col_grad_in", o.module, per_launch, c.dtype)] * n_launch
-    sharded_seq = None if not sp or seq_dim == 0 else (trace.root_inputs[0][0][0], tokens)
-    _tp_comms(out, trace, comms, sp, tp_plan, tp, nodes, cfg, sharded_seq)
-    out.seconds = out.device_seconds + out.collective_seconds
-    return out
+                what, nbytes = "col_grad_in", per_launch
+            if what is not None:
+                for _ in range(n_launch):
+                    yield "comm", (what, o.module, nbytes, c.dtype)
 
 
 def _root_sequence(trace, n: int) -> tuple:
@@ -508,44 +542,63 @@ def _root_dim0(trace, n: int, what: str) -> int:
 
 def _tp_comms(out: Replay, trace, comms: list, sp: bool, tp_plan: dict, tp: int, nodes: int,
               cfg, sharded_seq=None) -> None:
-    """TP's collectives in issue order and the device work around them: per row-parallel
-    forward the bias division (a replicated bias becomes a Partial sum) and the all-reduce of
-    the output (reduce-scatter with sp), per column-parallel input gradient its all-reduce
-    (reduce-scatter with sp); functional all-reduces copy their output. With sp, the
-    all-gathers found in the trace, and at the end the all-reduce (and copy) of each
-    gradient of a sequence-parallel module's (replicated) parameters. A sequence on dim 1
-    (``sharded_seq`` = (batch, sequence length)) is not the dim the collectives concatenate
-    or scatter (dim 0): DTensor ``cat``s the tp chunks along it, after each all-gather and
-    before each reduce-scatter."""
-    from ..cost_model import copy_seconds, op_seconds
-    from ..distributed.collectives_model import collective_seconds
-    p, lnc = cfg
-
-    def collective(op, nbytes, dtype, name, backward):
-        out._collective(op, nbytes, tp, collective_seconds(op, nbytes, tp, nodes, p, lnc))
-        if sharded_seq is not None and op != "all_reduce":
-            batch, seq = sharded_seq
-            chunk = (batch, seq // tp, nbytes // dtype.itemsize // (batch * seq))
-            # the runtime keeps the first three shapes of a list
-            out._op("cat", name, backward, op_seconds(
-                p, lnc, "cat", [chunk] * min(tp, 3), dtype, nbytes, nbytes)[0])
-    for what, name, nbytes, dtype in comms:
-        backward = what in ("col_grad_in", "row_grad_out")
-        if what in ("all_gather", "row_grad_out"):
-            collective("all_gather", nbytes, dtype, name, backward)
-            continue
-        if what == "row_fwd" and trace.params.get(name + ".bias") is not None:
-            bdtype = trace.params[name + ".bias"][1]
-            b = trace.linears[name][1] * bdtype.itemsize
-            out._op("div", name, False, op_seconds(p, lnc, "div", [(b // bdtype.itemsize,)],
-                                                   bdtype, b, b)[0])
-        if sp:
-            collective("reduce_scatter", nbytes, dtype, name, backward)
-        else:
-            out._op("copy_d2d", name, backward, copy_seconds(p, lnc, "copy_d2d", nbytes))
-            collective("all_reduce", nbytes, dtype, name, backward)
+    """TP's collectives in issue order and the device work around them (``_tp_comm``); with
+    sp, at the end, the all-reduce (and copy) of each gradient of a sequence-parallel
+    module's (replicated) parameters."""
+    from ..cost_model import copy_seconds
+    for comm in comms:
+        _tp_comm(out, trace, comm, sp, tp, nodes, cfg, sharded_seq)
     for fqn, (shape, dtype) in trace.params.items():
         if tp_plan.get(fqn.rpartition(".")[0]) == "sequence":
             nbytes = math.prod(shape) * dtype.itemsize
-            out._op("copy_d2d", fqn, True, copy_seconds(p, lnc, "copy_d2d", nbytes))
-            collective("all_reduce", nbytes, dtype, fqn, True)
+            out._op("copy_d2d", fqn, True, copy_seconds(cfg[0], cfg[1], "copy_d2d", nbytes))
+            _tp_collective(out, "all_reduce", nbytes, dtype, fqn, True, tp, nodes, cfg,
+                           sharded_seq)
+
+
+def _tp_comm(out: Replay, trace, comm, sp: bool, tp: int, nodes: int, cfg, sharded_seq=None,
+             parts: int = 1) -> None:
+    """One of ``tp_stream``'s comms (of 1/``parts`` of its bytes: a pipeline micro-batch's)
+    and the device work around it: a row-parallel forward's bias division (a replicated bias
+    becomes a Partial sum) and all-reduce of the output (reduce-scatter with sp), a
+    column-parallel input gradient's all-reduce (reduce-scatter with sp); functional
+    all-reduces copy their output. With sp, the all-gathers."""
+    from ..cost_model import copy_seconds, op_seconds
+    p, lnc = cfg
+    what, name, nbytes, dtype = comm
+    nbytes //= parts
+    backward = what in ("col_grad_in", "row_grad_out")
+    if what in ("all_gather", "row_grad_out"):
+        _tp_collective(out, "all_gather", nbytes, dtype, name, backward, tp, nodes, cfg,
+                       sharded_seq)
+        return
+    if what == "row_fwd" and trace.params.get(name + ".bias") is not None:
+        bdtype = trace.params[name + ".bias"][1]
+        b = trace.linears[name][1] * bdtype.itemsize
+        out._op("div", name, False, op_seconds(p, lnc, "div", [(b // bdtype.itemsize,)],
+                                               bdtype, b, b)[0])
+    if sp:
+        _tp_collective(out, "reduce_scatter", nbytes, dtype, name, backward, tp, nodes, cfg,
+                       sharded_seq)
+    else:
+        out._op("copy_d2d", name, backward, copy_seconds(p, lnc, "copy_d2d", nbytes))
+        _tp_collective(out, "all_reduce", nbytes, dtype, name, backward, tp, nodes, cfg,
+                       sharded_seq)
+
+
+def _tp_collective(out: Replay, op: str, nbytes: int, dtype, name, backward: bool, tp: int,
+                   nodes: int, cfg, sharded_seq) -> None:
+    """A TP collective, priced as the backend charges it. A sequence on dim 1
+    (``sharded_seq`` = (batch, sequence length)) is not the dim the collectives concatenate
+    or scatter (dim 0): DTensor ``cat``s the tp chunks along it, after each all-gather and
+    before each reduce-scatter."""
+    from ..cost_model import op_seconds
+    from ..distributed.collectives_model import collective_seconds
+    p, lnc = cfg
+    out._collective(op, nbytes, tp, collective_seconds(op, nbytes, tp, nodes, p, lnc))
+    if sharded_seq is not None and op != "all_reduce":
+        batch, seq = sharded_seq
+        chunk = (batch, seq // tp, nbytes // dtype.itemsize // (batch * seq))
+        # the runtime keeps the first three shapes of a list
+        out._op("cat", name, backward, op_seconds(p, lnc, "cat", [chunk] * min(tp, 3), dtype,
+                                                  nbytes, nbytes)[0])
