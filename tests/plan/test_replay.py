@@ -187,6 +187,9 @@ def test_fsdp_optimizer_work_is_divided_by_the_degree(traced):
     (dict(fsdp=2), r"fsdp > 1 needs fsdp_units"),
     (dict(fsdp=2, fsdp_units=["blocks.7"]), r"fsdp_units names 'blocks.7'"),
     (dict(fsdp=2, fsdp_units=[""], pp=2), r"fsdp=2 with pp=2 is not replayed yet"),
+    (dict(pp=2, pp_stages=["blocks.0", "blocks.1"], tp=2,
+          tp_plan={**TP_PLAN, "blocks.0": "sequence"}),
+     r"pp with sequence-parallel tp is not replayed yet"),
     (dict(fsdp=0), r"fsdp=0 must be a positive int"),
     (dict(replicate=2), r"replicate=2 is HSDP's replica degree: with fsdp_units it is FSDP2 over a \(replicate, 1\) mesh"),
     (dict(fsdp=2, fsdp_units=[""], replicate=0), r"replicate=0 must be a positive int"),
@@ -443,6 +446,27 @@ def test_pipeline_replay_equals_a_real_2_rank_run(traced, schedule, m):
     assert predicted is max(predicted.stages, key=lambda s: s.seconds - s.bubble_seconds)
 
 
+def test_pipeline_x_tp_replay_equals_a_real_4_rank_run(traced):
+    """PP=2 x TP=2 on a (pp, tp) mesh (TorchTitan's order), 1F1B over 4 micro-batches: each
+    stage's ops are its TP rank's, each TP all-reduce issued per micro-batch at 1/4 of the
+    bytes; both TP ranks of a stage report its replayed busy time, collective by collective."""
+    predicted = traced.replay_layout(pp=2, pp_stages=PP_STAGES, schedule="1f1b",
+                                     microbatches=4, tp=2, tp_plan=TP_PLAN)
+    pp_alone = traced.replay_layout(pp=2, pp_stages=PP_STAGES, schedule="1f1b", microbatches=4)
+    real = ranks(4, "_pp_step.py", "1f1b", "4", env=dict(PP_TP="2"))
+    for rank, r in enumerate(real):
+        stage = predicted.stages[rank // 2]
+        assert [c[:3] for c in r["collectives"]] == [list(c[:3]) for c in stage.collectives]
+        assert r["seconds"] == pytest.approx(stage.device_seconds + stage.collective_seconds,
+                                             rel=1e-9)
+        assert r["flops"] == pytest.approx(stage.flops, rel=1e-12)
+    # TP halves the stages' matmul FLOPs (their element-wise work on the activations between
+    # the pairs too) and adds its all-reduces to the p2p
+    for both, alone in zip(predicted.stages, pp_alone.stages):
+        assert alone.flops / 2 <= both.flops < alone.flops
+        assert len(both.collectives) > len(alone.collectives)
+
+
 def test_pipeline_bubble_of_equal_stages_is_the_gpipe_formula():
     """Stages of equal per-micro-batch work t (forward and backward actions) and no work
     outside them: GPipe's makespan is (m + pp - 1) forward times plus (m + pp - 1) backward
@@ -468,7 +492,7 @@ def test_pipeline_bubble_of_equal_stages_is_the_gpipe_formula():
     (dict(pp=2, pp_stages=PP_STAGES, microbatches=3), r"microbatches=3 does not divide dim 0 \(128\)"),
     (dict(pp=2, pp_stages=PP_STAGES, schedule="1f1b", microbatches=1),
      r"Schedule1F1B needs microbatches >= pp"),
-    (dict(pp=2, pp_stages=PP_STAGES, tp=2, tp_plan=TP_PLAN), r"tp=2 with pp=2 is not replayed"),
+    (dict(pp=2, pp_stages=PP_STAGES, fsdp=2, fsdp_units=[""]), r"fsdp=2 with pp=2 is not replayed"),
     (dict(pp=2, pp_stages=[["blocks.0"], []]), r"pipeline stage 1 holds no module"),
 ])
 def test_bad_pipeline_layouts_raise_clear_errors(traced, kwargs, match):

@@ -12,13 +12,16 @@ stage's parameters. That sum is the stage's busy time, what its rank's modelled 
 reports. The step is the schedule's makespan: the stages' actions run in the schedule's
 order, a micro-batch's forward on stage s after it left stage s - 1, its backward after it
 left stage s + 1; ``bubble_seconds`` is a stage's idle time in it.
+
+With TP inside each stage (a (pp, tp) mesh), a stage's ops are its TP rank's
+(``replay.tp_stream``), and each TP collective is issued per micro-batch.
 """
 from __future__ import annotations
 
 import math
 
 from .replay import (Replay, _is_optimizer, _local_bytes, _optimizer_op, _root_dim0,
-                     _split_op)
+                     _split_op, _tp_comm, _tp_local_shape, tp_stream)
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -70,36 +73,60 @@ def _p2p_bytes(trace, unit: str, m: int) -> int:
     return math.prod(shape) // m * dtype.itemsize
 
 
-def replay_pp(trace, pp: int, stages, schedule: str, m: int, cfg, nodes: int) -> Replay:
-    """One Replay per stage (``.stages``); returned: the stage with the longest busy time."""
+def replay_pp(trace, pp: int, stages, schedule: str, m: int, cfg, nodes: int, tp: int = 1,
+              tp_plan=None) -> Replay:
+    """One Replay per stage (``.stages``); returned: the stage with the longest busy time.
+    With ``tp`` > 1, TP inside each stage (a (pp, tp) mesh, TorchTitan's order): a stage's
+    ops are its TP rank's (``tp_stream``), each TP collective issued per micro-batch."""
     from ..cost_model import op_seconds
     from ..distributed.collectives_model import collective_seconds
     units, batch = _check(trace, pp, stages, schedule, m)
+    if tp > 1 and "sequence" in (tp_plan or {}).values():
+        raise ValueError("replay: pp with sequence-parallel tp is not replayed yet (checked "
+                         "against real runs: pp with tp)")
     p, lnc = cfg
     # a p2p goes through the pipeline group: the backend charges it as the group's (its
-    # price is one link's, over EFA when the group spans nodes)
-    p2p = lambda op, nbytes: collective_seconds(op, nbytes, pp, nodes, p, lnc)  # noqa: E731
+    # price is one link's, over EFA when the group spans nodes); the mesh is (pp, tp), so
+    # a TP group spans ceil(nodes / pp) nodes and a pipeline group min(pp, nodes)
+    p2p = lambda op, nbytes: collective_seconds(  # noqa: E731
+        op, nbytes, pp, min(pp, nodes), p, lnc)
+    tp_nodes = -(-nodes // pp)
     link = [_p2p_bytes(trace, names[-1], m) for names in units[:-1]]
+    params = {f: (_tp_local_shape(f, shape, tp_plan, tp) if tp > 1 else shape, dtype)
+              for f, (shape, dtype) in trace.params.items()}
+    # the rank's work in issue order: ("op", TracedOp) and, with tp, ("comm", comm) after
+    # the op that issues it
+    work = list(tp_stream(trace, tp, tp_plan, cfg)) if tp > 1 else [("op", o) for o in trace.ops]
     out = []
     for s, names in enumerate(units):
-        r = Replay(f"pp={pp} {schedule} microbatches={m} stage={s}")
+        r = Replay(f"pp={pp}" + (f" tp={tp}" if tp > 1 else "")
+                   + f" {schedule} microbatches={m} stage={s}")
         owned = {f for f in trace.params if any(f.startswith(u + ".") for u in names)}
-        local, full = _local_bytes(trace.params, lambda f, _, n: n if f in owned else 0)
+        local, full = _local_bytes(trace.params, lambda f, _, n: (
+            math.prod(params[f][0]) if f in owned else 0))
         fwd, bwd, tail = [], [], []   # per micro-batch forward and backward, then once
-        for o in trace.ops:
+        here = False   # whether the last op was this stage's (a comm follows its op)
+        for kind, o in work:
+            if kind == "comm":
+                if here:
+                    (bwd if o[0] in ("col_grad_in", "row_grad_out") else fwd).append(
+                        ("comm", o))
+                continue
             c = o.charge
             if c.engine == "collective":
                 raise ValueError(f"replay: the traced step issued {c.name}; pp is replayed "
                                  f"from a step traced without collectives")
             if _is_optimizer(c.name):
                 tail.append((o, *_optimizer_op(o, local / full, cfg, trace.params)))
+                here = False
                 continue
             where = _stage_of(o, units)
-            if where == s or (where is None and s == pp - 1):   # the loss: last stage
+            here = where == s or (where is None and s == pp - 1)   # the loss: last stage
+            if here:
                 (bwd if o.backward else fwd).append((o, *_split_op(o, batch, m, cfg)))
         grads = []   # each gradient accumulated over micro-batches 2..m, then divided by m
         for f in sorted(owned):
-            shape, dtype = trace.params[f]
+            shape, dtype = params[f]
             nb = math.prod(shape) * dtype.itemsize
             grads.append(("add_", f, [shape, shape], dtype, 2 * nb, nb))
             if m > 1:
@@ -112,7 +139,9 @@ def replay_pp(trace, pp: int, stages, schedule: str, m: int, cfg, nodes: int) ->
             nb = math.prod(shape) * dtype.itemsize
             tail.append((None, "cat", "", op_seconds(p, lnc, "cat", [mb] * min(m, 3), dtype,
                                                       nb, nb)[0]))
-        r._actions = _actions(r, s, pp, m, schedule, fwd, bwd, grads, link, p2p, cfg)
+        def comm(x, r=r):
+            _tp_comm(r, trace, x, False, tp, tp_nodes, cfg, parts=m)
+        r._actions = _actions(r, s, pp, m, schedule, fwd, bwd, grads, link, p2p, cfg, comm)
         for o, *rest in tail:
             if o is None:
                 name, module, seconds = rest
@@ -131,9 +160,10 @@ def replay_pp(trace, pp: int, stages, schedule: str, m: int, cfg, nodes: int) ->
 
 
 def _actions(r: Replay, s: int, pp: int, m: int, schedule: str, fwd, bwd, grads, link, p2p,
-             cfg) -> dict:
-    """Adds stage ``s``'s per-micro-batch work to ``r`` in the schedule's order; returns each
-    action's seconds, ("F" | "B", micro-batch) -> seconds."""
+             cfg, comm) -> dict:
+    """Adds stage ``s``'s per-micro-batch work to ``r`` in the schedule's order (``comm``
+    adds a TP collective's); returns each action's seconds, ("F" | "B", micro-batch) ->
+    seconds."""
     from ..cost_model import op_seconds
     p, lnc = cfg
     seconds = {}
@@ -145,8 +175,11 @@ def _actions(r: Replay, s: int, pp: int, m: int, schedule: str, fwd, bwd, grads,
         recv, send = (s - 1, s) if kind == "F" else (s, s - 1)
         if 0 <= recv < pp - 1:
             r._collective("recv", link[recv], pp, p2p("recv", link[recv]))
-        for o, sec, flops in (fwd if kind == "F" else bwd):
-            r._op(o.charge.name, o.module, kind == "B", sec, flops)
+        for o, *rest in (fwd if kind == "F" else bwd):
+            if o == "comm":
+                comm(rest[0])
+            else:
+                r._op(o.charge.name, o.module, kind == "B", *rest)
         if kind == "B" and i > 0:
             for name, fqn, shapes, dtype, nin, nout in grads:
                 r._op(name, fqn, True, op_seconds(p, lnc, name, shapes, dtype, nin, nout)[0])
