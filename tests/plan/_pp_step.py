@@ -31,9 +31,18 @@ def main():
     torch.manual_seed(0)
     # PP_TP=T > 1: TP=T inside each stage, a (pp, tp) mesh (TorchTitan's order: pp outermost)
     tp = int(os.environ.get("PP_TP", "1"))
-    pp, group = world // tp, None
+    # PP_FSDP=N > 1: FSDP2 over N ranks inside each stage (a (pp, dp) mesh), not resharded
+    # after forward, as TorchTitan does under PP
+    dp = int(os.environ.get("PP_FSDP", "1"))
+    pp, group = world // tp // dp, None
     model = step_script.MLP(n=pp)
-    block = model.blocks[rank // tp].to(dev)
+    block = model.blocks[rank // tp // dp].to(dev)
+    if dp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("neuron", (pp, dp), mesh_dim_names=("pp", "dp"))
+        fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)
+        group = mesh["pp"].get_group()
     if tp > 1:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
@@ -41,7 +50,7 @@ def main():
         mesh = init_device_mesh("neuron", (pp, tp), mesh_dim_names=("pp", "tp"))
         parallelize_module(block, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
         group = mesh["pp"].get_group()
-    stage = PipelineStage(block, rank // tp, pp, dev, group=group)
+    stage = PipelineStage(block, rank // tp // dp, pp, dev, group=group)
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     sched = cls(stage, m, loss_fn=loss_fn)
     opt = torch.optim.SGD(block.parameters(), lr=0.01)
@@ -50,9 +59,9 @@ def main():
 
     def step():
         opt.zero_grad(set_to_none=True)
-        if rank // tp == 0:
+        if rank // tp // dp == 0:
             sched.step(x)
-        elif rank // tp == pp - 1:
+        elif rank // tp // dp == pp - 1:
             sched.step(target=x, losses=[])
         else:
             sched.step()

@@ -186,7 +186,7 @@ def test_fsdp_optimizer_work_is_divided_by_the_degree(traced):
     (dict(tp=2), r"tp > 1 needs tp_plan"),
     (dict(fsdp=2), r"fsdp > 1 needs fsdp_units"),
     (dict(fsdp=2, fsdp_units=["blocks.7"]), r"fsdp_units names 'blocks.7'"),
-    (dict(fsdp=2, fsdp_units=[""], pp=2), r"fsdp=2 with pp=2 is not replayed yet"),
+    (dict(fsdp=2, fsdp_units=[""], pp=2, ep=2), r"fsdp=2 with pp=2 with ep=2 is not replayed yet"),
     (dict(pp=2, pp_stages=["blocks.0", "blocks.1"], tp=2,
           tp_plan={**TP_PLAN, "blocks.0": "sequence"}),
      r"pp with sequence-parallel tp is not replayed yet"),
@@ -446,25 +446,37 @@ def test_pipeline_replay_equals_a_real_2_rank_run(traced, schedule, m):
     assert predicted is max(predicted.stages, key=lambda s: s.seconds - s.bubble_seconds)
 
 
-def test_pipeline_x_tp_replay_equals_a_real_4_rank_run(traced):
-    """PP=2 x TP=2 on a (pp, tp) mesh (TorchTitan's order), 1F1B over 4 micro-batches: each
-    stage's ops are its TP rank's, each TP all-reduce issued per micro-batch at 1/4 of the
-    bytes; both TP ranks of a stage report its replayed busy time, collective by collective."""
+@pytest.mark.parametrize("inner", ["tp", "fsdp"])
+def test_pipeline_with_tp_or_fsdp_equals_a_real_4_rank_run(traced, inner):
+    """PP=2 with TP=2 or FSDP=2 inside each stage, on a (pp, tp) or (pp, dp) mesh
+    (TorchTitan's order), 1F1B over 4 micro-batches. TP: each stage's ops are its TP rank's,
+    each TP all-reduce issued per micro-batch at 1/4 of the bytes. FSDP (not resharded after
+    forward, as TorchTitan runs it under PP): one all-gather before the first micro-batch, the
+    accumulated gradients reduce-scattered after the last, scaled and stepped as shards. Both
+    ranks of a stage report its replayed busy time, collective by collective."""
+    layout = (dict(tp=2, tp_plan=TP_PLAN) if inner == "tp" else
+              dict(fsdp=2, fsdp_units=PP_STAGES))
     predicted = traced.replay_layout(pp=2, pp_stages=PP_STAGES, schedule="1f1b",
-                                     microbatches=4, tp=2, tp_plan=TP_PLAN)
+                                     microbatches=4, **layout)
     pp_alone = traced.replay_layout(pp=2, pp_stages=PP_STAGES, schedule="1f1b", microbatches=4)
-    real = ranks(4, "_pp_step.py", "1f1b", "4", env=dict(PP_TP="2"))
+    real = ranks(4, "_pp_step.py", "1f1b", "4", env={f"PP_{inner.upper()}": "2"})
     for rank, r in enumerate(real):
         stage = predicted.stages[rank // 2]
         assert [c[:3] for c in r["collectives"]] == [list(c[:3]) for c in stage.collectives]
         assert r["seconds"] == pytest.approx(stage.device_seconds + stage.collective_seconds,
                                              rel=1e-9)
         assert r["flops"] == pytest.approx(stage.flops, rel=1e-12)
-    # TP halves the stages' matmul FLOPs (their element-wise work on the activations between
-    # the pairs too) and adds its all-reduces to the p2p
-    for both, alone in zip(predicted.stages, pp_alone.stages):
-        assert alone.flops / 2 <= both.flops < alone.flops
-        assert len(both.collectives) > len(alone.collectives)
+    for inside, alone in zip(predicted.stages, pp_alone.stages):
+        if inner == "tp":
+            # TP halves the stages' matmul FLOPs (and the element-wise work between the
+            # pairs) and adds its all-reduces to the p2p
+            assert alone.flops / 2 <= inside.flops < alone.flops
+            assert len(inside.collectives) > len(alone.collectives)
+        else:
+            # FSDP computes what PP alone does, plus one gather and one reduce-scatter
+            assert inside.flops == pytest.approx(alone.flops, rel=1e-12)
+            assert sorted(c[0] for c in inside.collectives) == sorted(
+                [c[0] for c in alone.collectives] + ["all_gather", "reduce_scatter"])
 
 
 def test_pipeline_bubble_of_equal_stages_is_the_gpipe_formula():
@@ -492,7 +504,10 @@ def test_pipeline_bubble_of_equal_stages_is_the_gpipe_formula():
     (dict(pp=2, pp_stages=PP_STAGES, microbatches=3), r"microbatches=3 does not divide dim 0 \(128\)"),
     (dict(pp=2, pp_stages=PP_STAGES, schedule="1f1b", microbatches=1),
      r"Schedule1F1B needs microbatches >= pp"),
-    (dict(pp=2, pp_stages=PP_STAGES, fsdp=2, fsdp_units=[""]), r"fsdp=2 with pp=2 is not replayed"),
+    (dict(pp=2, pp_stages=PP_STAGES, fsdp=2, fsdp_units=[""]),
+     r"fsdp unit '' is in no pipeline stage"),
+    (dict(pp=2, pp_stages=PP_STAGES, fsdp=2, fsdp_units=PP_STAGES, tp=2, tp_plan=TP_PLAN),
+     r"fsdp=2 with tp=2 with pp=2 is not replayed yet"),
     (dict(pp=2, pp_stages=[["blocks.0"], []]), r"pipeline stage 1 holds no module"),
 ])
 def test_bad_pipeline_layouts_raise_clear_errors(traced, kwargs, match):

@@ -175,40 +175,71 @@ def _add_fsdp(out: Replay, trace, units, params: dict, groups: _FsdpGroups, cfg,
     """Adds to ``out`` (whose first ops are the traced ones as the layout runs them) FSDP2's
     collectives and copies over ``params`` (the parameters a rank holds before sharding), in
     FSDP2's order, and the device time its copy-ins hide; sets ``out.seconds``."""
-    from ..cost_model import copy_seconds, op_seconds
-    from ..distributed.collectives_model import collective_seconds
-    p, lnc = cfg
-    n = groups.shard
+    from ..cost_model import copy_seconds
     window = [op[3] for op in out.ops[:len(trace.ops)]]
     input_cast = 0.0
     if cast_inputs and "" in units:
         # the root's pre-forward casts its floating-point inputs to param_dtype
         for shape, dtype in trace.root_inputs:
             if dtype.is_floating_point and dtype != mp[0]:
-                seconds = copy_seconds(p, lnc, "copy_d2d", math.prod(shape) * mp[0].itemsize)
+                seconds = copy_seconds(*cfg, "copy_d2d", math.prod(shape) * mp[0].itemsize)
                 input_cast += seconds
                 out._op("copy_d2d", "", False, seconds)
-    gathered = {}   # unit -> (shard elements per parameter, dtype, parameter shapes)
-    for unit, owned in _unit_params(params, units).items():
-        if not owned:
-            continue
-        calls = trace.forward_calls.get(unit, 0)
-        if calls != 1:
-            raise ValueError(f"replay: fsdp unit {unit!r} ran forward {calls} times in the "
-                             f"traced step; FSDP2 all-gathers and reshards it per call, which "
-                             f"is replayed for one call only" + (
-                                 " (under torch.compile modules run inside compiled graphs, "
-                                 "whose work cannot be attributed to them: trace the step "
-                                 "eagerly)" if calls == 0 else ""))
-        dtype = owned[0][1]
-        if any(d != dtype for _, d in owned):
-            raise ValueError(f"replay: fsdp unit {unit!r} mixes parameter dtypes; FSDP2 "
-                             f"all-gathers one flat buffer per dtype, which is not replayed")
-        gathered[unit] = ([_shard_numel(s, n) for s, _ in owned], dtype, [s for s, _ in owned])
-    copy_in, copy_out = {}, {}
+    comm = _FsdpComm(trace, units, params, groups, cfg, mp)
+    # In FSDP2's order: forward all-gathers (the root's first); in backward each unit
+    # (the root keeps its parameters after forward) re-gathers, the next one's all-gather
+    # prefetched before this one's reduce-scatter.
+    order = _forward_order(trace, [u for u in comm.gathered if u != ""])
+    for u in ([""] if "" in comm.gathered else []) + order:
+        comm.all_gather(out, u, False)
+    back = order[::-1]
+    for i, u in enumerate(back):
+        if i == 0:
+            comm.all_gather(out, u, True)
+        if i + 1 < len(back):
+            comm.all_gather(out, back[i + 1], True)
+        comm.reduce_scatter(out, u)
+    if "" in comm.gathered:
+        comm.reduce_scatter(out, "")
+    out.overlap_seconds = _overlap(trace, window, order, comm.copy_in, comm.copy_out.get(""),
+                                   input_cast)
+    out.seconds = out.device_seconds + out.collective_seconds - out.overlap_seconds
+    return out
 
-    def all_gather(unit, bw):
-        shards, dtype, _ = gathered[unit]
+
+class _FsdpComm:
+    """FSDP2's per-unit collectives and the copies around them, over ``params`` (the
+    parameters a rank holds before sharding): ``gathered`` unit -> (shard elements per
+    parameter, dtype, parameter shapes); ``copy_in``/``copy_out`` the seconds of each unit's
+    last all-gather's copies."""
+
+    def __init__(self, trace, units, params: dict, groups: _FsdpGroups, cfg, mp):
+        self.groups, self.cfg, self.mp, self.n = groups, cfg, mp, groups.shard
+        self.copy_in, self.copy_out, self.gathered = {}, {}, {}
+        for unit, owned in _unit_params(params, units).items():
+            if not owned:
+                continue
+            calls = trace.forward_calls.get(unit, 0)
+            if calls != 1:
+                raise ValueError(f"replay: fsdp unit {unit!r} ran forward {calls} times in the "
+                                 f"traced step; FSDP2 all-gathers and reshards it per call, "
+                                 f"which is replayed for one call only" + (
+                                     " (under torch.compile modules run inside compiled "
+                                     "graphs, whose work cannot be attributed to them: trace "
+                                     "the step eagerly)" if calls == 0 else ""))
+            dtype = owned[0][1]
+            if any(d != dtype for _, d in owned):
+                raise ValueError(f"replay: fsdp unit {unit!r} mixes parameter dtypes; FSDP2 "
+                                 f"all-gathers one flat buffer per dtype, which is not replayed")
+            self.gathered[unit] = ([_shard_numel(s, self.n) for s, _ in owned], dtype,
+                                   [s for s, _ in owned])
+
+    def all_gather(self, out: Replay, unit: str, bw: bool) -> None:
+        """Adds one all-gather of ``unit`` to ``out``: copy-in, collective, copy-outs."""
+        from ..cost_model import copy_seconds, op_seconds
+        from ..distributed.collectives_model import collective_seconds
+        n, mp, cfg = self.n, self.mp, self.cfg
+        shards, dtype, _ = self.gathered[unit]
         if mp and mp[0] != dtype:
             # two list copies, recorded as one op of two launches: the cast of the shards to
             # param_dtype, then the copy into the all-gather input
@@ -218,22 +249,27 @@ def _add_fsdp(out: Replay, trace, units, params: dict, groups: _FsdpGroups, cfg,
             dtype = mp[0] if mp else dtype
             nbytes, launches = 2 * sum(shards) * dtype.itemsize, 1   # dst and src
         item = dtype.itemsize
-        copy_in[unit] = 0.0
+        self.copy_in[unit] = 0.0
         if n > 1:   # a shard group of one rank gathers nothing: its shards are copied out
-            copy_in[unit] = op_seconds(p, lnc, "_foreach_copy_", [(s,) for s in shards],
-                                       dtype, nbytes, 0, launches)[0]
-            out._op("_foreach_copy_", unit, bw, copy_in[unit])
+            self.copy_in[unit] = op_seconds(*cfg, "_foreach_copy_", [(s,) for s in shards],
+                                            dtype, nbytes, 0, launches)[0]
+            out._op("_foreach_copy_", unit, bw, self.copy_in[unit])
             flat = n * sum(shards) * item
             out._collective("all_gather", flat, n, collective_seconds(
-                "all_gather", flat, n, groups.shard_nodes, p, lnc))
-        copy_out[unit] = 0.0
+                "all_gather", flat, n, self.groups.shard_nodes, *cfg))
+        self.copy_out[unit] = 0.0
         for s in shards:   # copy-out: each parameter's (n, shard) rows from the flat output
-            seconds = copy_seconds(p, lnc, "copy_d2d", n * s * item)
-            copy_out[unit] += seconds
+            seconds = copy_seconds(*cfg, "copy_d2d", n * s * item)
+            self.copy_out[unit] += seconds
             out._op("copy_d2d", unit, bw, seconds)
 
-    def reduce_scatter(unit):
-        shards, dtype, shapes = gathered[unit]
+    def reduce_scatter(self, out: Replay, unit: str) -> None:
+        """Adds one reduce-scatter of ``unit``'s gradients to ``out`` (and HSDP's
+        all-reduce of the shard)."""
+        from ..cost_model import copy_seconds, op_seconds
+        from ..distributed.collectives_model import collective_seconds
+        n, mp, cfg, groups = self.n, self.mp, self.cfg, self.groups
+        shards, dtype, shapes = self.gathered[unit]
         # the gradients come in param_dtype, are reduced in reduce_dtype
         grad = mp[0] if mp else dtype
         dtype = mp[1] if mp else dtype
@@ -245,46 +281,25 @@ def _add_fsdp(out: Replay, trace, units, params: dict, groups: _FsdpGroups, cfg,
                 # a gradient whose dim 0 does not split evenly is padded first: a zeroed
                 # (n * shard) buffer and a copy of the gradient into it
                 padded = (n * math.ceil(shape[0] / n), *shape[1:])
-                out._op("zero_", unit, True, op_seconds(p, lnc, "zero_", [padded], dtype,
+                out._op("zero_", unit, True, op_seconds(*cfg, "zero_", [padded], dtype,
                                                         n * s * item, n * s * item)[0])
-                out._op("copy_d2d", unit, True, copy_seconds(p, lnc, "copy_d2d",
+                out._op("copy_d2d", unit, True, copy_seconds(*cfg, "copy_d2d",
                                                              math.prod(shape) * item))
         # copy-in: the gradients as (n, shard) rows into one flat input (the runtime counts
         # cat's output buffer among its inputs, as it records chunk_cat)
-        out._op("cat", unit, True, op_seconds(p, lnc, "cat", [(n, s) for s in shards], dtype,
+        out._op("cat", unit, True, op_seconds(*cfg, "cat", [(n, s) for s in shards], dtype,
                                               flat + grads, flat)[0])
         if n > 1:
             out._collective("reduce_scatter", flat, n, collective_seconds(
-                "reduce_scatter", flat, n, groups.shard_nodes, p, lnc))
+                "reduce_scatter", flat, n, groups.shard_nodes, *cfg))
         else:   # one rank: the reduce-scatter is a copy of its input to its output
-            out._op("copy_d2d", unit, True, copy_seconds(p, lnc, "copy_d2d", flat))
+            out._op("copy_d2d", unit, True, copy_seconds(*cfg, "copy_d2d", flat))
         if groups.replicate > 1:
             # HSDP: the reduce-scattered shard is then all-reduced across the replicas
             # (averaged on the host, as the reduce-scatter is: no device op)
             shard = flat // n
             out._collective("all_reduce", shard, groups.replicate, collective_seconds(
-                "all_reduce", shard, groups.replicate, groups.replica_nodes, p, lnc))
-
-    # In FSDP2's order: forward all-gathers (the root's first); in backward each unit
-    # (the root keeps its parameters after forward) re-gathers, the next one's all-gather
-    # prefetched before this one's reduce-scatter.
-    order = _forward_order(trace, [u for u in gathered if u != ""])
-    for u in ([""] if "" in gathered else []) + order:
-        all_gather(u, False)
-    back = order[::-1]
-    for i, u in enumerate(back):
-        if i == 0:
-            all_gather(u, True)
-        if i + 1 < len(back):
-            all_gather(back[i + 1], True)
-        reduce_scatter(u)
-    if "" in gathered:
-        reduce_scatter("")
-    out.overlap_seconds = _overlap(trace, window, order, copy_in, copy_out.get(""), input_cast)
-    out.seconds = out.device_seconds + out.collective_seconds - out.overlap_seconds
-    return out
-
-
+                "all_reduce", shard, groups.replicate, groups.replica_nodes, *cfg))
 
 
 def _overlap(trace, seconds: list, order: list, copy_in: dict, root_copy_out,

@@ -14,14 +14,16 @@ order, a micro-batch's forward on stage s after it left stage s - 1, its backwar
 left stage s + 1; ``bubble_seconds`` is a stage's idle time in it.
 
 With TP inside each stage (a (pp, tp) mesh), a stage's ops are its TP rank's
-(``replay.tp_stream``), and each TP collective is issued per micro-batch.
+(``replay.tp_stream``), and each TP collective is issued per micro-batch. With FSDP inside
+each stage (a (pp, dp) mesh, not resharded after forward), each unit is all-gathered once
+before the first forward and reduce-scattered once after the last backward.
 """
 from __future__ import annotations
 
 import math
 
 from .replay import (Replay, _is_optimizer, _local_bytes, _optimizer_op, _root_dim0,
-                     _split_op, _tp_comm, _tp_local_shape, tp_stream)
+                     _shard_numel, _split_op, _tp_comm, _tp_local_shape, tp_stream)
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -74,16 +76,30 @@ def _p2p_bytes(trace, unit: str, m: int) -> int:
 
 
 def replay_pp(trace, pp: int, stages, schedule: str, m: int, cfg, nodes: int, tp: int = 1,
-              tp_plan=None) -> Replay:
+              tp_plan=None, fsdp: int = 1, fsdp_units=None) -> Replay:
     """One Replay per stage (``.stages``); returned: the stage with the longest busy time.
     With ``tp`` > 1, TP inside each stage (a (pp, tp) mesh, TorchTitan's order): a stage's
-    ops are its TP rank's (``tp_stream``), each TP collective issued per micro-batch."""
+    ops are its TP rank's (``tp_stream``), each TP collective issued per micro-batch. With
+    ``fsdp`` > 1, FSDP2 inside each stage (a (pp, dp) mesh) on ``fsdp_units``, not
+    resharded after forward (TorchTitan's default under PP): each unit all-gathered before
+    the first micro-batch's forward, its accumulated gradients reduce-scattered after the
+    last one's backward, the gradient scaling and the optimizer on the shards."""
     from ..cost_model import op_seconds
     from ..distributed.collectives_model import collective_seconds
+    from .replay_fsdp import _check_units, _FsdpComm, _FsdpGroups, _forward_order
     units, batch = _check(trace, pp, stages, schedule, m)
     if tp > 1 and "sequence" in (tp_plan or {}).values():
         raise ValueError("replay: pp with sequence-parallel tp is not replayed yet (checked "
                          "against real runs: pp with tp)")
+    fsdp_units, covered = _check_units(trace, fsdp, fsdp_units) if fsdp > 1 else ([], set())
+    unit_stage = {}
+    for u in fsdp_units:
+        where = [s for s, names in enumerate(units)
+                 if u != "" and any(u == n or u.startswith(n + ".") for n in names)]
+        if not where:
+            raise ValueError(f"replay: fsdp unit {u!r} is in no pipeline stage "
+                             f"(pp_stages={stages}); each stage shards its own modules")
+        unit_stage[u] = where[0]
     p, lnc = cfg
     # a p2p goes through the pipeline group: the backend charges it as the group's (its
     # price is one link's, over EFA when the group spans nodes); the mesh is (pp, tp), so
@@ -94,6 +110,13 @@ def replay_pp(trace, pp: int, stages, schedule: str, m: int, cfg, nodes: int, tp
     link = [_p2p_bytes(trace, names[-1], m) for names in units[:-1]]
     params = {f: (_tp_local_shape(f, shape, tp_plan, tp) if tp > 1 else shape, dtype)
               for f, (shape, dtype) in trace.params.items()}
+    # the (pp, dp) mesh: a shard group spans ceil(nodes / pp) nodes
+    fsdp_comm = (_FsdpComm(trace, fsdp_units, params, _FsdpGroups(fsdp, -(-nodes // pp), 1, 1),
+                           cfg, None) if fsdp > 1 else None)
+    fsdp_order = _forward_order(trace, fsdp_units) if fsdp > 1 else []
+    # the parameters a rank steps and scales: FSDP's shards of its units' parameters
+    held = {f: ((math.ceil(shape[0] / fsdp), *shape[1:]) if f in covered and shape else shape,
+                dtype) for f, (shape, dtype) in params.items()}
     # the rank's work in issue order: ("op", TracedOp) and, with tp, ("comm", comm) after
     # the op that issues it
     work = list(tp_stream(trace, tp, tp_plan, cfg)) if tp > 1 else [("op", o) for o in trace.ops]
@@ -103,7 +126,7 @@ def replay_pp(trace, pp: int, stages, schedule: str, m: int, cfg, nodes: int, tp
                    + f" {schedule} microbatches={m} stage={s}")
         owned = {f for f in trace.params if any(f.startswith(u + ".") for u in names)}
         local, full = _local_bytes(trace.params, lambda f, _, n: (
-            math.prod(params[f][0]) if f in owned else 0))
+            math.prod(held[f][0]) if f in owned else 0))
         fwd, bwd, tail = [], [], []   # per micro-batch forward and backward, then once
         here = False   # whether the last op was this stage's (a comm follows its op)
         for kind, o in work:
@@ -129,9 +152,11 @@ def replay_pp(trace, pp: int, stages, schedule: str, m: int, cfg, nodes: int, tp
             shape, dtype = params[f]
             nb = math.prod(shape) * dtype.itemsize
             grads.append(("add_", f, [shape, shape], dtype, 2 * nb, nb))
-            if m > 1:
-                tail.append((None, "div_", f, op_seconds(p, lnc, "div_", [shape], dtype,
-                                                          nb, nb)[0]))
+            if m > 1:   # scale_grads: on the gradient a rank holds (FSDP: its shard)
+                shard = held[f][0]
+                sb = math.prod(shard) * dtype.itemsize
+                tail.append((None, "div_", f, op_seconds(p, lnc, "div_", [shard], dtype,
+                                                          sb, sb)[0]))
         if s == pp - 1 and m > 1:
             # the schedule merges the M outputs of the last stage (the runtime keeps 3 shapes)
             shape, dtype = trace.module_outputs[""][0]
@@ -141,7 +166,13 @@ def replay_pp(trace, pp: int, stages, schedule: str, m: int, cfg, nodes: int, tp
                                                       nb, nb)[0]))
         def comm(x, r=r):
             _tp_comm(r, trace, x, False, tp, tp_nodes, cfg, parts=m)
-        r._actions = _actions(r, s, pp, m, schedule, fwd, bwd, grads, link, p2p, cfg, comm)
+        mine = [u for u in fsdp_order if unit_stage[u] == s]
+        r._actions = _actions(r, s, pp, m, schedule, fwd, bwd, grads, link, p2p, cfg, comm,
+                              lambda r=r, mine=mine: [fsdp_comm.all_gather(r, u, False)
+                                                      for u in mine])
+        for u in mine[::-1]:
+            # FSDP's post-backward, after the last micro-batch's backward (and its send)
+            fsdp_comm.reduce_scatter(r, u)
         for o, *rest in tail:
             if o is None:
                 name, module, seconds = rest
@@ -160,10 +191,10 @@ def replay_pp(trace, pp: int, stages, schedule: str, m: int, cfg, nodes: int, tp
 
 
 def _actions(r: Replay, s: int, pp: int, m: int, schedule: str, fwd, bwd, grads, link, p2p,
-             cfg, comm) -> dict:
+             cfg, comm, gather) -> dict:
     """Adds stage ``s``'s per-micro-batch work to ``r`` in the schedule's order (``comm``
-    adds a TP collective's); returns each action's seconds, ("F" | "B", micro-batch) ->
-    seconds."""
+    adds a TP collective's, ``gather`` FSDP's all-gathers before the first forward's
+    compute); returns each action's seconds, ("F" | "B", micro-batch) -> seconds."""
     from ..cost_model import op_seconds
     p, lnc = cfg
     seconds = {}
@@ -175,6 +206,8 @@ def _actions(r: Replay, s: int, pp: int, m: int, schedule: str, fwd, bwd, grads,
         recv, send = (s - 1, s) if kind == "F" else (s, s - 1)
         if 0 <= recv < pp - 1:
             r._collective("recv", link[recv], pp, p2p("recv", link[recv]))
+        if (kind, i) == ("F", 0):
+            gather()
         for o, *rest in (fwd if kind == "F" else bwd):
             if o == "comm":
                 comm(rest[0])

@@ -83,7 +83,8 @@ class StepTrace:
         ``mp_policy`` is FSDP2's ``MixedPrecisionPolicy`` (param_dtype, reduce_dtype) with
         fsdp. ``pp`` is torch.distributed.pipelining with one stage per rank (``pp_stages``:
         the module names of each stage), ``schedule`` "gpipe" or "1f1b" over
-        ``microbatches``, with ``tp`` TP inside each stage. ``ep`` is expert parallelism (``ep_experts``: the expert modules'
+        ``microbatches``, with ``tp`` TP or ``fsdp`` FSDP2 (on ``fsdp_units``, not resharded
+        after forward) inside each stage. ``ep`` is expert parallelism (``ep_experts``: the expert modules'
         names, a list or a glob such as "experts.*"; the per-rank Replays in ``.stages``,
         returned the slowest). fsdp and tp replay a single-device step traced with ``trace(device, module)``; dp a
         DDP step traced on one rank (its collectives re-priced, as ``replay``). Other
@@ -103,7 +104,8 @@ class StepTrace:
                              "DDP use dp")
         if len(degrees) > 1 and set(degrees) not in ({"fsdp", "replicate"}, {"fsdp", "tp"},
                                                      {"fsdp", "replicate", "tp"},
-                                                     {"replicate", "tp"}, {"pp", "tp"}):
+                                                     {"replicate", "tp"}, {"pp", "tp"},
+                                                     {"pp", "fsdp"}):
             several = " with ".join(f"{k}={v}" for k, v in degrees.items())
             raise ValueError(f"replay_layout: {several} is not replayed yet; replayed: fsdp, "
                              "tp, dp, pp or ep alone, replicate (with fsdp: HSDP), fsdp and "
@@ -135,7 +137,7 @@ class StepTrace:
         if pp > 1:
             from .replay_pp import replay_pp
             return replay_pp(self, pp, pp_stages, schedule, microbatches, cfg, nodes, tp,
-                             tp_plan)
+                             tp_plan, fsdp, fsdp_units)
         if tp > 1 and fsdp == 1 and replicate == 1:
             return replay_tp(self, tp, tp_plan, cfg, nodes)
         return replay_fsdp(self, fsdp, fsdp_units, cfg, nodes, replicate, tp, tp_plan,
