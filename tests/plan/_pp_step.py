@@ -37,18 +37,17 @@ def main():
     pp, group = world // tp // dp, None
     model = step_script.MLP(n=pp)
     block = model.blocks[rank // tp // dp].to(dev)
-    if dp > 1:
+    if tp > 1 or dp > 1:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh("neuron", (pp, dp), mesh_dim_names=("pp", "dp"))
-        fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)
-        group = mesh["pp"].get_group()
-    if tp > 1:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                        parallelize_module)
-        mesh = init_device_mesh("neuron", (pp, tp), mesh_dim_names=("pp", "tp"))
-        parallelize_module(block, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        mesh = init_device_mesh("neuron", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+        if tp > 1:
+            parallelize_module(block, mesh["tp"], {"fc1": ColwiseParallel(),
+                                                   "fc2": RowwiseParallel()})
+        if dp > 1:
+            fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)
         group = mesh["pp"].get_group()
     stage = PipelineStage(block, rank // tp // dp, pp, dev, group=group)
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]

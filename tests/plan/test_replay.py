@@ -446,27 +446,36 @@ def test_pipeline_replay_equals_a_real_2_rank_run(traced, schedule, m):
     assert predicted is max(predicted.stages, key=lambda s: s.seconds - s.bubble_seconds)
 
 
-@pytest.mark.parametrize("inner", ["tp", "fsdp"])
-def test_pipeline_with_tp_or_fsdp_equals_a_real_4_rank_run(traced, inner):
-    """PP=2 with TP=2 or FSDP=2 inside each stage, on a (pp, tp) or (pp, dp) mesh
+@pytest.mark.parametrize("inner", ["tp", "fsdp", "fsdp+tp"])
+def test_pipeline_with_tp_or_fsdp_equals_a_real_run(traced, inner):
+    """PP=2 with TP=2, FSDP=2 or both inside each stage, on a (pp, dp, tp) mesh
     (TorchTitan's order), 1F1B over 4 micro-batches. TP: each stage's ops are its TP rank's,
     each TP all-reduce issued per micro-batch at 1/4 of the bytes. FSDP (not resharded after
     forward, as TorchTitan runs it under PP): one all-gather before the first micro-batch, the
-    accumulated gradients reduce-scattered after the last, scaled and stepped as shards. Both
-    ranks of a stage report its replayed busy time, collective by collective."""
-    layout = (dict(tp=2, tp_plan=TP_PLAN) if inner == "tp" else
-              dict(fsdp=2, fsdp_units=PP_STAGES))
+    accumulated gradients reduce-scattered after the last, scaled and stepped as shards. Every
+    rank of a stage (4 ranks, 8 for 3-D) reports its replayed busy time, collective by
+    collective."""
+    layout, env = {}, {}
+    if "tp" in inner:
+        layout.update(tp=2, tp_plan=TP_PLAN)
+        env["PP_TP"] = "2"
+    if "fsdp" in inner:
+        layout.update(fsdp=2, fsdp_units=PP_STAGES)
+        env["PP_FSDP"] = "2"
+    world = 2 * 2 ** len(env)
     predicted = traced.replay_layout(pp=2, pp_stages=PP_STAGES, schedule="1f1b",
                                      microbatches=4, **layout)
     pp_alone = traced.replay_layout(pp=2, pp_stages=PP_STAGES, schedule="1f1b", microbatches=4)
-    real = ranks(4, "_pp_step.py", "1f1b", "4", env={f"PP_{inner.upper()}": "2"})
+    real = ranks(world, "_pp_step.py", "1f1b", "4", env=dict(env, NEURON_RT_NUM_CORES=str(world)))
     for rank, r in enumerate(real):
-        stage = predicted.stages[rank // 2]
+        stage = predicted.stages[rank // (world // 2)]
         assert [c[:3] for c in r["collectives"]] == [list(c[:3]) for c in stage.collectives]
         assert r["seconds"] == pytest.approx(stage.device_seconds + stage.collective_seconds,
                                              rel=1e-9)
         assert r["flops"] == pytest.approx(stage.flops, rel=1e-12)
     for inside, alone in zip(predicted.stages, pp_alone.stages):
+        if inner == "fsdp+tp":
+            continue
         if inner == "tp":
             # TP halves the stages' matmul FLOPs (and the element-wise work between the
             # pairs) and adds its all-reduces to the p2p
@@ -506,8 +515,6 @@ def test_pipeline_bubble_of_equal_stages_is_the_gpipe_formula():
      r"Schedule1F1B needs microbatches >= pp"),
     (dict(pp=2, pp_stages=PP_STAGES, fsdp=2, fsdp_units=[""]),
      r"fsdp unit '' is in no pipeline stage"),
-    (dict(pp=2, pp_stages=PP_STAGES, fsdp=2, fsdp_units=PP_STAGES, tp=2, tp_plan=TP_PLAN),
-     r"fsdp=2 with tp=2 with pp=2 is not replayed yet"),
     (dict(pp=2, pp_stages=[["blocks.0"], []]), r"pipeline stage 1 holds no module"),
 ])
 def test_bad_pipeline_layouts_raise_clear_errors(traced, kwargs, match):

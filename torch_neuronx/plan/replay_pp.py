@@ -83,7 +83,8 @@ def replay_pp(trace, pp: int, stages, schedule: str, m: int, cfg, nodes: int, tp
     ``fsdp`` > 1, FSDP2 inside each stage (a (pp, dp) mesh) on ``fsdp_units``, not
     resharded after forward (TorchTitan's default under PP): each unit all-gathered before
     the first micro-batch's forward, its accumulated gradients reduce-scattered after the
-    last one's backward, the gradient scaling and the optimizer on the shards."""
+    last one's backward, the gradient scaling and the optimizer on the shards. Both: 3-D on
+    a (pp, dp, tp) mesh, FSDP over the TP-local parameters."""
     from ..cost_model import op_seconds
     from ..distributed.collectives_model import collective_seconds
     from .replay_fsdp import _check_units, _FsdpComm, _FsdpGroups, _forward_order
@@ -102,17 +103,18 @@ def replay_pp(trace, pp: int, stages, schedule: str, m: int, cfg, nodes: int, tp
         unit_stage[u] = where[0]
     p, lnc = cfg
     # a p2p goes through the pipeline group: the backend charges it as the group's (its
-    # price is one link's, over EFA when the group spans nodes); the mesh is (pp, tp), so
-    # a TP group spans ceil(nodes / pp) nodes and a pipeline group min(pp, nodes)
+    # price is one link's, over EFA when the group spans nodes); the mesh is (pp, dp, tp),
+    # so a TP group spans ceil(nodes / (pp x dp)) nodes, an FSDP group one rank on each of
+    # min(dp, ceil(nodes / pp)), a pipeline group one on each of min(pp, nodes)
     p2p = lambda op, nbytes: collective_seconds(  # noqa: E731
         op, nbytes, pp, min(pp, nodes), p, lnc)
-    tp_nodes = -(-nodes // pp)
+    tp_nodes = -(-nodes // (pp * fsdp))
     link = [_p2p_bytes(trace, names[-1], m) for names in units[:-1]]
     params = {f: (_tp_local_shape(f, shape, tp_plan, tp) if tp > 1 else shape, dtype)
               for f, (shape, dtype) in trace.params.items()}
-    # the (pp, dp) mesh: a shard group spans ceil(nodes / pp) nodes
-    fsdp_comm = (_FsdpComm(trace, fsdp_units, params, _FsdpGroups(fsdp, -(-nodes // pp), 1, 1),
-                           cfg, None) if fsdp > 1 else None)
+    fsdp_comm = (_FsdpComm(trace, fsdp_units, params,
+                           _FsdpGroups(fsdp, min(fsdp, -(-nodes // pp)), 1, 1), cfg, None)
+                 if fsdp > 1 else None)
     fsdp_order = _forward_order(trace, fsdp_units) if fsdp > 1 else []
     # the parameters a rank steps and scales: FSDP's shards of its units' parameters
     held = {f: ((math.ceil(shape[0] / fsdp), *shape[1:]) if f in covered and shape else shape,
@@ -122,7 +124,8 @@ def replay_pp(trace, pp: int, stages, schedule: str, m: int, cfg, nodes: int, tp
     work = list(tp_stream(trace, tp, tp_plan, cfg)) if tp > 1 else [("op", o) for o in trace.ops]
     out = []
     for s, names in enumerate(units):
-        r = Replay(f"pp={pp}" + (f" tp={tp}" if tp > 1 else "")
+        r = Replay(f"pp={pp}" + (f" fsdp={fsdp}" if fsdp > 1 else "")
+                   + (f" tp={tp}" if tp > 1 else "")
                    + f" {schedule} microbatches={m} stage={s}")
         owned = {f for f in trace.params if any(f.startswith(u + ".") for u in names)}
         local, full = _local_bytes(trace.params, lambda f, _, n: (

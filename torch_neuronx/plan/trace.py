@@ -105,7 +105,7 @@ class StepTrace:
         if len(degrees) > 1 and set(degrees) not in ({"fsdp", "replicate"}, {"fsdp", "tp"},
                                                      {"fsdp", "replicate", "tp"},
                                                      {"replicate", "tp"}, {"pp", "tp"},
-                                                     {"pp", "fsdp"}):
+                                                     {"pp", "fsdp"}, {"pp", "fsdp", "tp"}):
             several = " with ".join(f"{k}={v}" for k, v in degrees.items())
             raise ValueError(f"replay_layout: {several} is not replayed yet; replayed: fsdp, "
                              "tp, dp, pp or ep alone, replicate (with fsdp: HSDP), fsdp and "
