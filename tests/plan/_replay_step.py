@@ -75,6 +75,58 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
+class RotaryGQA(nn.Module):
+    """Grouped-query attention (2 key/value heads for 4 query heads) with rotary position
+    embeddings as Transformers' Llama applies them (rotate_half), the cos/sin tables given
+    by the caller; the q, k, v and o projections square or narrower, the head count from the
+    local width."""
+    def __init__(self, d, head_dim=32, kv_heads=2):
+        super().__init__()
+        self.head_dim = head_dim
+        self.wq, self.wo = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
+        self.wk, self.wv = (nn.Linear(d, kv_heads * head_dim, bias=False) for _ in range(2))
+
+    def forward(self, x, cos, sin):
+        b, t = x.shape[:2]
+        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))
+
+        def rotate(z):
+            half = z.shape[-1] // 2
+            return z * cos + torch.cat((-z[..., half:], z[..., :half]), dim=-1) * sin
+        y = torch.nn.functional.scaled_dot_product_attention(rotate(q), rotate(k), v,
+                                                             is_causal=True, enable_gqa=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class RotaryBlock(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.attention = RotaryGQA(d)
+        self.feed_forward = Block(d)
+
+    def forward(self, x, cos, sin):
+        return self.feed_forward(x + self.attention(x, cos, sin))
+
+
+class RotaryStack(nn.Module):
+    """Two rotary GQA blocks; the rotary tables computed once, outside them (as Llama does)."""
+    def __init__(self, d=128, head_dim=32):
+        super().__init__()
+        self.head_dim = head_dim
+        self.blocks = nn.ModuleList(RotaryBlock(d) for _ in range(BLOCKS))
+
+    def forward(self, x):
+        pos = torch.arange(x.shape[1], device=x.device, dtype=torch.float32)
+        inv = 1.0 / 10000 ** (torch.arange(0, self.head_dim, 2, device=x.device) / self.head_dim)
+        ang = torch.outer(pos, inv)
+        ang = torch.cat((ang, ang), dim=-1)
+        cos, sin = ang.cos(), ang.sin()
+        for b in self.blocks:
+            x = b(x, cos, sin)
+        return x
+
+
 class AttnBlock(nn.Module):
     """Attention, then the MLP block, each with its residual (no norms: under TP without
     sequence parallelism their parameters would stay plain tensors beside DTensors, which
@@ -140,6 +192,10 @@ MODELS = {
     # and weight gradients have the same shapes
     "attnsq": Workload(lambda: MLP(d=128, block=AttnBlock),
                        lambda g: torch.randn(2, 64, 128, generator=g),
+                       lambda m, x: m(x).square().mean(), ATTN_PLAN,
+                       [f"blocks.{i}" for i in range(BLOCKS)] + [""]),
+    # grouped-query attention with rotary embeddings (Llama's rotate_half)
+    "rotary": Workload(RotaryStack, lambda g: torch.randn(2, 48, 128, generator=g),
                        lambda m, x: m(x).square().mean(), ATTN_PLAN,
                        [f"blocks.{i}" for i in range(BLOCKS)] + [""]),
     # TorchTitan's layout of them: pre-norm, sequence parallel on dim 1 of (batch, sequence)

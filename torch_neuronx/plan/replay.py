@@ -99,6 +99,7 @@ def _split_shapes(shapes, size: int, n: int):
 # with or without the input's (an input that needs none).
 # Flash attention (shapes q, k, v): its output (q's with v's head dim) and the logsumexp
 # per query; its backward (shapes grad_out, q, k) the gradients of q, k and v (v shaped as k).
+# And ops whose output is no single input's size.
 _SEVERAL_OUTPUTS = {
     "native_layer_norm": (lambda s: math.prod(s[0]) + 2 * math.prod(s[0][:-1]),),
     "native_layer_norm_backward": (lambda s: math.prod(s[0]) + 2 * s[0][-1],
@@ -107,6 +108,9 @@ _SEVERAL_OUTPUTS = {
         lambda s: math.prod(s[0][:-1]) * (s[2][-1] + 1),),
     "_scaled_dot_product_flash_attention_for_cpu_backward": (
         lambda s: math.prod(s[1]) + 2 * math.prod(s[2]),),
+    # a concatenation of the recorded inputs (all of them: at most three)
+    "cat": (lambda s: sum(math.prod(x) for x in s),),
+    "stack": (lambda s: sum(math.prod(x) for x in s),),
 }
 
 
@@ -199,31 +203,56 @@ def _local_charge(o, new, cfg):
     # the record sums its launches' bytes; each launch has the recorded shapes
     per_launch = c.bytes_out // c.count // item
     bytes_out = c.count * _out_numel(c.name, c.shapes, new, per_launch, o.module) * item
-    seconds, flops = _reprice(c, new, bytes_in, bytes_out, cfg)
+    if c.name.startswith("copy_"):   # a DMA copy, priced by its bytes
+        from ..cost_model import copy_seconds
+        seconds, flops = copy_seconds(cfg[0], cfg[1], c.name, bytes_in, c.count), 0.0
+    else:
+        seconds, flops = _reprice(c, new, bytes_in, bytes_out, cfg)
     return replace(c, shapes=new, bytes_in=bytes_in, bytes_out=bytes_out, seconds=seconds,
                    flops=flops)
 
 
+def _heads_of(o, s: tuple, sizes: frozenset) -> list:
+    """The dims of shape ``s`` (an operand of ``o``, in a region of split ``sizes``) that
+    are attention heads by their own: dim 1 of flash attention's (batch, heads, tokens,
+    head_dim) operands, or a dim other than the last (in a 4-D shape dim 1 or 2) whose
+    product with the last (the head dim) is a split size, as attention's (batch, heads,
+    tokens, head_dim) or (batch, tokens, heads, head_dim)."""
+    if o.charge.name.startswith("_scaled_dot_product") and len(s) == 4:
+        return [1]
+    if len(s) < 3:
+        return []
+    # in a 4-D shape the heads are dim 1 or 2 (after or before attention's transpose),
+    # never the batch
+    return [i for i in ((1, 2) if len(s) == 4 else range(len(s) - 1)) if s[i] * s[-1] in sizes]
+
+
+def _region_heads(ops) -> dict:
+    """Split sizes -> the head counts the region ops of those sizes show by their own
+    (``_heads_of``), from ``ops`` as (op, sizes): the whole trace is read first, because
+    the runtime's records of one module's span are not in issue order."""
+    heads = {}
+    for o, sizes in ops:
+        for s in o.charge.shapes or ():
+            if not any(d in sizes for d in s):
+                heads.setdefault(sizes, set()).update(s[i] for i in _heads_of(o, s, sizes))
+    return heads
+
+
 def _region_shapes(o, sizes: frozenset, n: int, heads: set) -> tuple:
     """The shapes of an op between a column- and a row-parallel Linear on one rank: every dim
-    equal to one of the region's split sizes divided by n; in a shape without one, the heads:
-    dim 1 of flash attention's (batch, heads, tokens, head_dim) operands, or a dim other than
-    the last whose product with the last (the head dim) is a split size, as attention's
-    (batch, heads, tokens, head_dim) or (batch, tokens, heads, head_dim), or, after one of
-    those, a dim 1 or 2 of a 4-D shape equal to a head count found in the region (``heads``,
-    which this adds to: rotary halves, scores)."""
+    equal to one of the region's split sizes divided by n; in a shape without one, its heads
+    (``_heads_of``), or else a dim 1 or 2 of a 4-D shape equal to a head count such regions
+    show (``heads``: rotary halves, scores)."""
     _priced(o)
     out = []
     for s in o.charge.shapes:
         if any(d in sizes for d in s):
             out.append(tuple(d // n if d in sizes else d for d in s))
             continue
-        if o.charge.name.startswith("_scaled_dot_product") and len(s) == 4:
-            found = [1]
-        else:
-            found = [i for i in range(len(s) - 1) if len(s) >= 3 and s[i] * s[-1] in sizes]
-            if not found and len(s) == 4:
-                found = [i for i in (1, 2) if s[i] in heads]
+        found = _heads_of(o, s, sizes)
+        if not found and len(s) == 4:
+            found = [i for i in (1, 2) if s[i] in heads]
         if len(found) > 1:
             raise ValueError(f"replay: {o.charge.name} {list(o.charge.shapes)} in the "
                              f"tensor-parallel region of module {o.module!r}: dims "
@@ -234,7 +263,6 @@ def _region_shapes(o, sizes: frozenset, n: int, heads: set) -> tuple:
                 raise ValueError(f"replay: tp={n} does not divide the {s[i]} heads (dim {i} of "
                                  f"{s}) of {o.charge.name} in the tensor-parallel region of "
                                  f"module {o.module!r}")
-        heads.update(s[i] for i in found)
         out.append(tuple(d // n if i in found else d for i, d in enumerate(s)))
     new = tuple(out)
     if new == tuple(o.charge.shapes) and any(math.prod(s) > 1 for s in new):
@@ -245,23 +273,47 @@ def _region_shapes(o, sizes: frozenset, n: int, heads: set) -> tuple:
     return new
 
 
-# Non-matmul ops of a parallel Linear whose operand is its output's gradient (the bias
-# gradient's reduction over tokens); the others (accumulating its input's gradient) act on
-# the input side. Only needed to tell the sides of a square Linear apart.
+# Non-matmul ops of a parallel Linear on its output's side in backward: the bias gradient's
+# reduction over tokens and the copies laying out the incoming gradient (from per-head
+# layouts); the others (accumulating its input's gradient) act on the input side.
 _OUTPUT_SIDE = {"sum"}
+
+
+def _features(s) -> int:
+    """A shape's feature count: its last dim, or (heads, head_dim) as their product."""
+    return s[-1] if len(s) < 3 else s[-1] * (s[-2] if len(s) == 4 else 1)
+
+
+def _side(o, fin: int, fout: int) -> str:
+    """"output" or "input": the side of its Linear a non-matmul op works on, checked against
+    its shapes' features (the last dim, or a 4-D shape's last two)."""
+    c = o.charge
+    last = {s[-1] for s in c.shapes if s}
+    feats = {_features(s) for s in c.shapes if s}
+    if o.backward:
+        side = "output" if c.name in _OUTPUT_SIDE or c.name.startswith("copy_") else "input"
+        ok = {fout if side == "output" else fin} in (last, feats)
+    else:
+        side = "output" if fin != fout and fout in last | feats else "input"
+        ok = {fout if side == "output" else fin} in (last, feats)
+    if not ok:
+        raise ValueError(f"replay: {c.name} {list(c.shapes)} in Linear({fin}, {fout}) "
+                         f"{o.module!r} works on neither its input nor its output features; "
+                         f"the replay cannot tell how tp shards it")
+    return side
 
 
 def _linear_role(o, fin: int, fout: int) -> str | None:
     """Which matmul of an nn.Linear a TensorE op is: "forward" (x @ W^T: M tokens, K in, N
     out), "grad_in" (g @ W: K out, N in), "grad_weight" (g^T @ x, as autograd computes it
     for the transposed view W^T: M out, K tokens, N in), or "either" when the token count
-    equals out_features (both gradients then have the same shapes); None for a non-matmul
-    op."""
+    equals out_features (both gradients then have the same shapes); for a non-matmul op the
+    side it works on, "output" or "input" (``_side``)."""
     from ..cost_model import _matmul_dims
     c = _priced(o)
     dims = _matmul_dims(c.name, list(c.shapes)) if c.engine == "tensor" else None
     if dims is None:
-        return None
+        return _side(o, fin, fout)
     _, m, k, nn = dims
     if not o.backward:
         if (k, nn) != (fin, fout):
@@ -275,6 +327,35 @@ def _linear_role(o, fin: int, fout: int) -> str | None:
                          f"{fout}) {o.module!r} is neither gradient matmul; the replay cannot "
                          f"tell which dim tp splits")
     return roles[0] if len(roles) == 1 else "either"
+
+
+def _backward_owner(o, style: str, linears: dict, tp_plan: dict) -> tuple:
+    """(op, style) with the op charged to the parallel Linear whose gradient matmul it is.
+    In backward the module tracker can charge an op to a sibling that ran next to it (q's
+    projection's to k's), so a matmul that fits no gradient of its module is given to the
+    sibling parallel Linear (same parent, of the same style if one fits) it fits, when that is
+    unambiguous."""
+    fin, fout = linears[o.module]
+    try:
+        _linear_role(o, fin, fout)
+        return o, style
+    except ValueError:
+        parent = o.module.rpartition(".")[0]
+        fits = []
+        for name, st in tp_plan.items():
+            if name.rpartition(".")[0] != parent or st == "sequence" or name == o.module:
+                continue
+            try:
+                _linear_role(replace(o, module=name), *linears[name])
+            except ValueError:
+                continue
+            fits.append((linears[name], st, name))
+        # prefer the siblings of the same style (q's, k's and v's projections run side by
+        # side in backward)
+        fits = [f for f in fits if f[1] == style] or fits
+        if len({(shape, st) for shape, st, _ in fits}) != 1:
+            raise
+        return replace(o, module=fits[0][2]), fits[0][1]
 
 
 def _linear_parts(o, role: str) -> list:
@@ -299,26 +380,23 @@ def _linear_parts(o, role: str) -> list:
 
 def _linear_shapes(o, role, style: str, fin: int, fout: int, n: int, tokens=None) -> tuple:
     """The shapes of an op of a column- (out_features split) or row-parallel (in_features
-    split) Linear on one rank, by the role each dim plays in its matmul. A non-matmul op
-    works on one side, told by its last dim (for a square Linear, by the op: the bias
-    gradient's ``sum`` on the output, the accumulation of the input's gradient on the
-    input); with sequence parallelism (``tokens`` the sequence length) a column-parallel
-    Linear's input side is sequence-sharded too."""
+    split) Linear on one rank, by the role each dim plays in its matmul; a non-matmul op's
+    split on the side it works on (``_side``) when that side is split; with sequence
+    parallelism (``tokens`` the sequence length) a column-parallel Linear's input side is
+    sequence-sharded too."""
     c = o.charge
     shapes = [list(s) for s in c.shapes]
-    if role is None:
-        last = {s[-1] for s in shapes if s}
-        out_side = c.name in _OUTPUT_SIDE if fin == fout else last == {fout}
-        if fin != fout and last not in ({fin}, {fout}):
-            raise ValueError(f"replay: {c.name} {list(c.shapes)} in Linear({fin}, {fout}) "
-                             f"{o.module!r} works on neither its input nor its output "
-                             f"features; the replay cannot tell how tp shards it")
+    if role in ("output", "input"):
+        size = fout if role == "output" else fin
         for s in shapes:
             if not s:
                 continue
-            if out_side == (style == "colwise"):
-                s[-1] //= n
-            if tokens is not None and style == "colwise" and not out_side:
+            if (role == "output") == (style == "colwise"):   # the split side
+                if s[-1] == size or len(s) != 4:
+                    s[-1] //= n
+                else:   # per head: tp splits the heads
+                    s[-2] //= n
+            if tokens is not None and style == "colwise" and role == "input":
                 s[:-1] = [d // n if d == tokens else d for d in s[:-1]]
         return tuple(tuple(s) for s in shapes)
     bias = 1 if c.name.startswith("add") else 0   # addmm's bias comes first
@@ -434,6 +512,44 @@ def replay_tp(trace, tp: int, tp_plan: dict, cfg, nodes: int, fsdp: int = 1,
     return out
 
 
+def _tp_walk(trace, tp_plan: dict):
+    """Each traced op as (op, style, sizes): a parallel Linear's with its style (charged to
+    the Linear whose gradient it is, ``_backward_owner``) and sizes None; another op with
+    style None and the split sizes of the region it ran in (None outside). The sharded
+    region: forward from a colwise Linear to the next rowwise one, backward from a rowwise
+    Linear to the next colwise one (several colwise Linear layers may open one, as
+    attention's q, k and v projections; backward's is forward's, found by its rowwise
+    Linear)."""
+    region = {False: None, True: None}
+    opened = set()      # forward: the split sizes since the last rowwise Linear
+    paired = {}         # rowwise Linear -> its forward region's split sizes
+    for o in trace.ops:
+        c = o.charge
+        if c.engine == "collective":
+            raise ValueError(f"replay: the traced step issued {c.name}; tp is replayed from a "
+                             f"step traced without collectives")
+        style = tp_plan.get(o.module)
+        style = None if style == "sequence" or _is_optimizer(c.name) else style
+        if style is None:
+            yield o, None, None if _is_optimizer(c.name) else region[o.backward]
+            continue
+        if o.backward:
+            o, style = _backward_owner(o, style, trace.linears, tp_plan)
+        fin, fout = trace.linears[o.module]
+        if not o.backward:
+            if style == "colwise":
+                opened.add(fout)
+                region[False] = frozenset(opened)
+            else:
+                paired[o.module] = frozenset(opened | {fin})
+                opened.clear()
+                region[False] = None
+        else:
+            region[True] = paired.get(o.module, frozenset({fin})) \
+                if style == "rowwise" else None
+        yield o, style, None
+
+
 def tp_stream(trace, tp: int, tp_plan: dict, cfg):
     """One TP rank's work in issue order: ("op", a TracedOp whose charge is re-priced at the
     rank's shapes; the optimizer's as traced) and ("comm", (what, module, bytes per launch,
@@ -446,27 +562,16 @@ def tp_stream(trace, tp: int, tp_plan: dict, cfg):
     # become all-gathers and reduce-scatters
     sp = "sequence" in tp_plan.values()
     tokens, _ = _root_sequence(trace, tp) if sp else (None, None)
-    # The sharded region: forward from a colwise Linear to the next rowwise one, backward
-    # from a rowwise Linear to the next colwise one; its ops run on 1/tp of the split sizes
-    # (several colwise Linear layers may open one, as attention's q, k and v projections;
-    # backward's is forward's, found by its rowwise Linear).
-    region = {False: None, True: None}
-    heads = {False: set(), True: set()}   # head counts met in each direction's region
-    opened = set()      # forward: the split sizes since the last rowwise Linear
-    paired = {}         # rowwise Linear -> its forward region's split sizes
-    for o in trace.ops:
+    walk = list(_tp_walk(trace, tp_plan))
+    heads = _region_heads((o, sizes) for o, style, sizes in walk if style is None and sizes)
+    for o, style, sizes in walk:
         c = o.charge
-        if c.engine == "collective":
-            raise ValueError(f"replay: the traced step issued {c.name}; tp is replayed from a "
-                             f"step traced without collectives")
-        style = tp_plan.get(o.module)
-        style = None if style == "sequence" else style
         if _is_optimizer(c.name):
             yield "op", o
             continue
         if style is None:
-            if region[o.backward] is not None:
-                new = _region_shapes(o, region[o.backward], tp, heads[o.backward])
+            if sizes is not None:
+                new = _region_shapes(o, sizes, tp, heads.get(sizes, set()))
             elif sp:   # outside the regions: the rank's share of the sequence
                 new = _split_shapes(c.shapes or (), tokens, tp)
             else:
@@ -474,23 +579,14 @@ def tp_stream(trace, tp: int, tp_plan: dict, cfg):
             yield "op", (o if new == c.shapes else replace(o, charge=_local_charge(o, new, cfg)))
             continue
         fin, fout = trace.linears[o.module]
-        if not o.backward:
-            if style == "colwise":
-                if not opened:
-                    heads[False] = set()
-                opened.add(fout)
-                region[False] = frozenset(opened)
-            else:
-                paired[o.module] = frozenset(opened | {fin})
-                opened.clear()
-                region[False] = None
-        else:
-            if style == "rowwise" and region[True] is None:
-                heads[True] = set()
-            region[True] = paired.get(o.module, frozenset({fin})) \
-                if style == "rowwise" else None
         for part, role in _linear_parts(o, _linear_role(o, fin, fout)):
             shapes = _linear_shapes(part, role, style, fin, fout, tp, tokens)
+            if role == "output" and c.name.startswith("copy_") and any(
+                    len(s) == 4 and s[-2] == 1 < t[-2] for s, t in zip(shapes, c.shapes)):
+                # the incoming gradient laid out (batch, tokens, heads, head_dim) from
+                # attention's (batch, heads, ...): with one local head the transpose leaves
+                # it contiguous, and PyTorch copies nothing
+                continue
             yield "op", replace(part, charge=_local_charge(part, shapes, cfg))
             n_launch = part.charge.count
             per_launch = part.charge.bytes_out // n_launch

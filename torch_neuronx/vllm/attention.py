@@ -157,7 +157,7 @@ def _prompts(rows, starts, lq, dev):
     pos = torch.arange(width)
     valid = pos[None, :] < lens[:, None]
     tokens = torch.tensor([starts[i] for i in rows])[:, None] + torch.where(valid, pos, 0)
-    mask = valid[:, None, None, :] & torch.ones(width, width, dtype=torch.bool).tril()
+    mask = valid[:, None, None, :] & _band(width, width)
     flat = valid.flatten().nonzero().squeeze(1)
     return tokens.to(dev), flat.to(dev), tokens.flatten()[flat].to(dev), mask.to(dev)
 
@@ -214,7 +214,6 @@ class NeuronAttentionImpl(AttentionImpl):
             return output
         m, d, w = attn_metadata, self.head_size, self.sliding_window
         out = output.view(output.shape[0], self.num_heads, -1)
-        attend = self._attention
         if m.decode is not None:
             tokens, blocks, offsets, mask = m.decode
             kv = kv_cache[blocks, :, offsets].transpose(1, 2)     # [n, Hkv, width, d + dv]
@@ -223,7 +222,7 @@ class NeuronAttentionImpl(AttentionImpl):
             if w is not None:   # keys at or after position len - w
                 lens = mask.sum(-1, keepdim=True)
                 mask = mask & (torch.arange(mask.shape[-1], device=mask.device) >= lens - w)
-            o = attend(q, k, v, mask=mask)
+            o = self._attention(q, k, v, mask=mask)
             out.index_copy_(0, tokens, o.squeeze(2))
         if m.prompts is not None:
             tokens, flat, dest, mask = m.prompts
@@ -233,7 +232,7 @@ class NeuronAttentionImpl(AttentionImpl):
             v = value[tokens].transpose(1, 2)
             if w is not None:
                 mask = mask & _band(width, width, w, mask.device)
-            o = attend(q, k, v, mask=mask)
+            o = self._attention(q, k, v, mask=mask)
             o = o.transpose(1, 2).flatten(0, 1).index_select(0, flat)
             out.index_copy_(0, dest, o)
         for i in m.prefills:
@@ -245,11 +244,10 @@ class NeuronAttentionImpl(AttentionImpl):
             k, v = kv[..., :d], kv[..., d:]
             q = query[q0:q1].transpose(0, 1).unsqueeze(0)          # [1, Hq, lq, d]
             if lq == s and w is None:   # the whole sequence: plain causal
-                o = attend(q, k.unsqueeze(0), v.unsqueeze(0), causal=True)
+                o = self._attention(q, k.unsqueeze(0), v.unsqueeze(0), causal=True)
             else:                   # a chunk after cached tokens: bottom-right causal
-                mask = (torch.ones(lq, s, dtype=torch.bool, device=q.device).tril(s - lq)
-                        if w is None else _band(lq, s, w, q.device))
-                o = attend(q, k.unsqueeze(0), v.unsqueeze(0), mask=mask)
+                o = self._attention(q, k.unsqueeze(0), v.unsqueeze(0),
+                                    mask=_band(lq, s, w, q.device))
             out[q0:q1] = o.squeeze(0).transpose(0, 1)
         return output
 
@@ -267,14 +265,14 @@ class NeuronAttentionImpl(AttentionImpl):
             k, v = k.repeat_interleave(r, dim=-3), v.repeat_interleave(r, dim=-3)
         scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * self.scale / cap) * cap
         if causal:
-            lq, s = scores.shape[-2:]
-            mask = torch.ones(lq, s, dtype=torch.bool, device=q.device).tril(s - lq)
+            mask = _band(*scores.shape[-2:], device=q.device)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
 
 
-def _band(lq: int, s: int, w: int, device) -> torch.Tensor:
-    """[lq, s]: query i (position s - lq + i) sees keys from w - 1 before it to itself."""
+def _band(lq: int, s: int, w: int | None = None, device=None) -> torch.Tensor:
+    """[lq, s] bottom-right causal mask: query i (position s - lq + i) sees the keys up to
+    itself, with a sliding window ``w`` only the w - 1 before it."""
     ones = torch.ones(lq, s, dtype=torch.bool, device=device)
-    return ones.tril(s - lq) & ones.triu(s - lq - (w - 1))
+    return ones.tril(s - lq) if w is None else ones.tril(s - lq) & ones.triu(s - lq - (w - 1))

@@ -80,7 +80,18 @@ class Summary:
                 f"({d['tokens']} tokens in {d['steps']} steps)")
 
 
-class StepClock:
+class _Clock:
+    """A device's modelled clock, read per serving step or request."""
+    device: torch.device
+
+    def begin(self) -> None:
+        """A step or call starts: what ran before it (profiling, loading, warm-up) is not
+        its time."""
+        torch.neuron.synchronize(self.device)
+        torch_neuronx.reset_modelled_time(self.device)
+
+
+class StepClock(_Clock):
     """Reads the modelled time of every engine step of one device."""
 
     def __init__(self, device: torch.device, tensor_parallel_size: int = 1,
@@ -103,11 +114,6 @@ class StepClock:
                                cores_per_chip=cfg.profile.logical_cores(cfg.lnc),
                                device=str(self.device),
                                tensor_parallel_size=self.tensor_parallel_size)
-
-    def begin(self) -> None:
-        """A step starts: what ran before it (profiling, warm-up) is not serving time."""
-        torch.neuron.synchronize(self.device)
-        torch_neuronx.reset_modelled_time(self.device)
 
     def step(self, scheduler_output) -> None:
         """Remember which requests a step advances (its time is read once it sampled)."""
@@ -184,7 +190,7 @@ class DiffusionSummary:
                 f"{d['request_median_s'] * 1e3:.3f} ms over {d['requests']} requests")
 
 
-class RequestClock:
+class RequestClock(_Clock):
     """Reads the modelled time of every diffusion worker call of one device."""
 
     def __init__(self, device: torch.device, publish: bool = True):
@@ -198,11 +204,6 @@ class RequestClock:
     def reset(self) -> None:
         self.summary = DiffusionSummary(platform=torch_neuronx._state.config().profile.name,
                                         device=str(self.device))
-
-    def begin(self) -> None:
-        """A call starts: what ran before it (loading, warm-up) is not its time."""
-        torch.neuron.synchronize(self.device)
-        torch_neuronx.reset_modelled_time(self.device)
 
     def end(self, requests: int) -> None:
         """A call of ``requests`` requests ended (0: one denoising step of requests that go on)."""
