@@ -162,6 +162,26 @@ def test_replayed_terms_are_never_negative(traced, layout):
         assert r.seconds > traced.seconds
 
 
+@pytest.mark.parametrize("layout", [dict(fsdp=2, fsdp_units=FSDP_UNITS),
+                                    dict(tp=2, tp_plan=TP_PLAN),
+                                    dict(pp=2, pp_stages=[f"blocks.{i}" for i in range(2)],
+                                         schedule="1f1b", microbatches=2)])
+def test_replay_reports_its_breakdown_throughput_and_mfu(traced, layout):
+    """The terms sum to the step, the optimizer's is its ops', and MFU is the rank's FLOPs
+    over the step at the trn2 logical core's dense fp32 rate (20 TFLOPS per physical core,
+    LNC=2 by default: docs/hardware.md)."""
+    r = traced.replay_layout(**layout)
+    terms = r.breakdown
+    assert all(v >= 0 for v in terms.values())
+    assert sum(terms.values()) == pytest.approx(r.seconds, rel=1e-12)
+    assert terms["optimizer"] == pytest.approx(
+        sum(op[3] for op in r.ops if op[0].startswith("_foreach_")), rel=1e-12)
+    assert terms["bubble"] > 0 if "pp" in layout else terms["bubble"] == 0
+    assert r.tokens_per_second(step_script.TOKENS) == pytest.approx(step_script.TOKENS / r.seconds)
+    assert r.profile.name == "trn2" and r.lnc == 2
+    assert r.mfu("float32") == pytest.approx(r.flops / (r.seconds * 20e12 * 2), rel=1e-12)
+
+
 def test_fsdp_optimizer_work_is_divided_by_the_degree(traced):
     opt = [o for o in traced.ops if o.charge.name.startswith("_foreach_")]
     assert opt

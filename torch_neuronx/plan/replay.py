@@ -56,6 +56,27 @@ class Replay:
     ops: list = field(default_factory=list)
     collectives: list = field(default_factory=list)
     stages: list = field(default_factory=list, repr=False)
+    profile: object = field(default=None, repr=False)   # the chip it was priced for
+    lnc: int = 1
+
+    @property
+    def breakdown(self) -> dict:
+        """The step's terms, which sum to ``seconds``: ``compute`` (the device ops but the
+        optimizer's, with the copies the layout adds), ``optimizer``, ``communication`` (the
+        collectives less the device work that overlaps them) and ``bubble``."""
+        opt = sum(op[3] for op in self.ops if _is_optimizer(op[0]))
+        return {"compute": self.device_seconds - opt, "optimizer": opt,
+                "communication": self.collective_seconds - self.overlap_seconds,
+                "bubble": self.bubble_seconds}
+
+    def tokens_per_second(self, tokens: int) -> float:
+        """Throughput when a step processes ``tokens`` tokens in all (every replica's)."""
+        return tokens / self.seconds
+
+    def mfu(self, dtype: str = "bfloat16") -> float:
+        """This rank's FLOPs over the step time at the logical core's peak for ``dtype``
+        (``neuronhw``'s dense TFLOPS), as the planner's estimates count it."""
+        return self.flops / (self.seconds * self.profile.peak_flops(dtype, self.lnc))
 
     def _op(self, name, module, backward, seconds, flops=0.0):
         self.ops.append((name, module, backward, seconds, flops))

@@ -127,21 +127,26 @@ class StepTrace:
             for op, nbytes, _, _, _ in self.collectives:
                 out._collective(op, nbytes, dp, collective_seconds(op, nbytes, dp, nodes, *cfg))
             out.seconds = out.device_seconds + out.collective_seconds
+            out.profile, out.lnc = cfg
             return out
         if not self.modules:
             raise ValueError("replay_layout: the step was traced without its module; trace "
                              "it with plan.trace(device, module)")
         if ep > 1:
             from .replay_ep import replay_ep
-            return replay_ep(self, ep, ep_experts, cfg, nodes)
-        if pp > 1:
+            out = replay_ep(self, ep, ep_experts, cfg, nodes)
+        elif pp > 1:
             from .replay_pp import replay_pp
-            return replay_pp(self, pp, pp_stages, schedule, microbatches, cfg, nodes, tp,
-                             tp_plan, fsdp, fsdp_units)
-        if tp > 1 and fsdp == 1 and replicate == 1:
-            return replay_tp(self, tp, tp_plan, cfg, nodes)
-        return replay_fsdp(self, fsdp, fsdp_units, cfg, nodes, replicate, tp, tp_plan,
-                           mp_policy)
+            out = replay_pp(self, pp, pp_stages, schedule, microbatches, cfg, nodes, tp,
+                            tp_plan, fsdp, fsdp_units)
+        elif tp > 1 and fsdp == 1 and replicate == 1:
+            out = replay_tp(self, tp, tp_plan, cfg, nodes)
+        else:
+            out = replay_fsdp(self, fsdp, fsdp_units, cfg, nodes, replicate, tp, tp_plan,
+                              mp_policy)
+        for r in out.stages or [out]:
+            r.profile, r.lnc = cfg
+        return out
 
 
 def _tracker(flush, moved, root, calls: dict, root_inputs: list, outputs: dict):
