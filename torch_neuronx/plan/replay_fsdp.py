@@ -28,7 +28,8 @@ import math
 from dataclasses import dataclass
 
 from .replay import (Replay, _is_optimizer, _local_bytes, _optimizer_op, _reprice,
-                     _shard_numel, _tp_local_shape, replay_tp)
+                     _shard_numel)
+from .replay_tp import _tp_local_shape, replay_tp
 
 
 def _unit_params(params: dict, units) -> dict:

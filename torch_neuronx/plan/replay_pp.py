@@ -23,7 +23,8 @@ from __future__ import annotations
 import math
 
 from .replay import (Replay, _is_optimizer, _local_bytes, _optimizer_op, _root_dim0,
-                     _shard_numel, _split_op, _tp_comm, _tp_local_shape, tp_stream)
+                     _split_op)
+from .replay_tp import _tp_comm, _tp_local_shape, tp_stream
 
 SCHEDULES = ("gpipe", "1f1b")
 

@@ -90,7 +90,8 @@ class StepTrace:
         DDP step traced on one rank (its collectives re-priced, as ``replay``). Other
         combinations are refused; docs/plan.md says what is charged."""
         from .. import _state
-        from .replay import Replay, replay_tp
+        from .replay import Replay
+        from .replay_tp import replay_tp
         from .replay_fsdp import replay_fsdp
         for name, degree in (("fsdp", fsdp), ("replicate", replicate), ("tp", tp), ("dp", dp),
                              ("pp", pp), ("ep", ep), ("microbatches", microbatches)):
