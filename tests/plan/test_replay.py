@@ -242,6 +242,26 @@ def test_attention_tp_must_divide_the_heads(traced_attn):
         traced_attn.replay_layout(tp=8, tp_plan=step_script.ATTN_PLAN)
 
 
+def test_a_bias_gradient_as_wide_as_the_tokens_keeps_its_features():
+    """A bias gradient's sum over tokens of a (tokens, features) gradient as long as it is
+    wide: the output could be either dim by size; it keeps the trailing one, as PyTorch's
+    sum over dim 0 does."""
+    from torch_neuronx.plan.replay import _out_numel
+    g = torch.ones(1024, 256)   # a column-parallel rank's shard of a (1024, 1024) gradient
+    assert _out_numel("sum", [(1024, 1024)], [tuple(g.shape)], 1024, "up") == g.sum(0).numel()
+
+
+def test_a_profile_is_a_chip_or_its_name(traced):
+    import neuronhw
+    by_name = traced.replay_layout(tp=2, tp_plan=TP_PLAN, profile="trn3")
+    assert by_name.seconds == traced.replay_layout(tp=2, tp_plan=TP_PLAN,
+                                                   profile=neuronhw.TRN3).seconds
+    assert by_name.profile is neuronhw.TRN3
+    with pytest.raises(ValueError, match=r"profile=<module 'neuronhw.trn2'.* is neither a "
+                                         r"neuronhw.ChipProfile"):
+        traced.replay_layout(tp=2, tp_plan=TP_PLAN, profile=neuronhw.trn2)
+
+
 def test_a_compiled_step_is_refused_by_name():
     """Under torch.compile the modules run inside compiled graphs: their work cannot be
     attributed to them, so sharded layouts refuse the trace, naming the module."""

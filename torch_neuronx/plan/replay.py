@@ -125,7 +125,8 @@ _UNRECORDED_INPUTS = {
 def _out_numel(op: str, old_shapes, new_shapes, old_out: int, module: str) -> int:
     """The output elements of ``op`` at ``new_shapes``, from its recorded ``old_out``: a
     matmul's from its dims; an element-wise op's as the input of the same size; a reduction's
-    as the dims of its largest input whose product it is (which must be unambiguous)."""
+    as the dims of its largest input whose product it is (unambiguous, or the only trailing
+    dims among the candidates)."""
     from ..cost_model import _TENSORE, _matmul_dims
     if old_out == 0:
         return 0
@@ -142,9 +143,14 @@ def _out_numel(op: str, old_shapes, new_shapes, old_out: int, module: str) -> in
     big = max(range(len(old_shapes)), key=lambda i: math.prod(old_shapes[i]), default=None)
     if big is not None:
         o, s = old_shapes[big], new_shapes[big]
-        found = {math.prod(s[i] for i in range(len(o)) if mask >> i & 1)
-                 for mask in range(1 << len(o))
-                 if math.prod(o[i] for i in range(len(o)) if mask >> i & 1) == old_out}
+        masks = [mask for mask in range(1 << len(o))
+                 if math.prod(o[i] for i in range(len(o)) if mask >> i & 1) == old_out]
+        found = {math.prod(s[i] for i in range(len(o)) if mask >> i & 1) for mask in masks}
+        if len(found) > 1:
+            # a reduction over leading dims (a bias gradient's over tokens) keeps the
+            # trailing ones: prefer the one candidate that is a suffix of the dims
+            suffix = [m for m in masks if m and (m + (m & -m)) == 1 << len(o)]
+            found = {math.prod(s[i] for i in range(len(o)) if m >> i & 1) for m in suffix}
         if len(found) == 1:
             return found.pop()
     raise ValueError(f"replay: cannot tell the output of {op} {list(old_shapes)} "

@@ -59,7 +59,7 @@ class StepTrace:
         from .. import _state
         from ..distributed.collectives_model import collective_seconds
         cfg = _state.config()
-        profile = profile or cfg.profile
+        profile = _chip(profile) or cfg.profile
         lnc = lnc or cfg.lnc
         traced = sum(c[4] for c in self.collectives)
         resized = sum(collective_seconds(op, nbytes, group_size, nodes, profile, lnc)
@@ -115,7 +115,7 @@ class StepTrace:
             raise ValueError("replay_layout: mp_policy is FSDP2's MixedPrecisionPolicy and "
                              "needs fsdp > 1")
         cfg = _state.config()
-        cfg = (profile or cfg.profile, lnc or cfg.lnc)
+        cfg = (_chip(profile) or cfg.profile, lnc or cfg.lnc)
         if dp > 1:
             if not self.collectives:
                 raise ValueError(f"replay_layout: dp={dp} re-prices the traced step's "
@@ -148,6 +148,18 @@ class StepTrace:
         for r in out.stages or [out]:
             r.profile, r.lnc = cfg
         return out
+
+
+def _chip(profile):
+    """A chip profile given as ``neuronhw``'s ChipProfile or its name ("trn2"); None: the
+    device's."""
+    import neuronhw
+    if profile is None or isinstance(profile, neuronhw.ChipProfile):
+        return profile
+    if isinstance(profile, str):
+        return neuronhw.get_profile(profile)
+    raise ValueError(f"replay: profile={profile!r} is neither a neuronhw.ChipProfile (such as "
+                     f"neuronhw.TRN2) nor a chip name (trn1, trn2, trn3)")
 
 
 def _tracker(flush, moved, root, calls: dict, root_inputs: list, outputs: dict):
