@@ -96,7 +96,7 @@ _OUTPUT_SIDE = {"sum"}
 
 def _features(s) -> int:
     """A shape's feature count: its last dim, or (heads, head_dim) as their product."""
-    return s[-1] if len(s) < 3 else s[-1] * (s[-2] if len(s) == 4 else 1)
+    return s[-2] * s[-1] if len(s) == 4 else s[-1]
 
 
 def _side(o, fin: int, fout: int) -> str:
@@ -107,18 +107,16 @@ def _side(o, fin: int, fout: int) -> str:
     feats = {_features(s) for s in c.shapes if s}
     if o.backward:
         side = "output" if c.name in _OUTPUT_SIDE or c.name.startswith("copy_") else "input"
-        ok = {fout if side == "output" else fin} in (last, feats)
     else:
         side = "output" if fin != fout and fout in last | feats else "input"
-        ok = {fout if side == "output" else fin} in (last, feats)
-    if not ok:
+    if {fout if side == "output" else fin} not in (last, feats):
         raise ValueError(f"replay: {c.name} {list(c.shapes)} in Linear({fin}, {fout}) "
                          f"{o.module!r} works on neither its input nor its output features; "
                          f"the replay cannot tell how tp shards it")
     return side
 
 
-def _linear_role(o, fin: int, fout: int) -> str | None:
+def _linear_role(o, fin: int, fout: int) -> str:
     """Which matmul of an nn.Linear a TensorE op is: "forward" (x @ W^T: M tokens, K in, N
     out), "grad_in" (g @ W: K out, N in), "grad_weight" (g^T @ x, as autograd computes it
     for the transposed view W^T: M out, K tokens, N in), or "either" when the token count
