@@ -14,7 +14,7 @@ order, a micro-batch's forward on stage s after it left stage s - 1, its backwar
 left stage s + 1; ``bubble_seconds`` is a stage's idle time in it.
 
 With TP inside each stage (a (pp, tp) mesh), a stage's ops are its TP rank's
-(``replay.tp_stream``), and each TP collective is issued per micro-batch. With FSDP inside
+(``replay_tp.tp_stream``), and each TP collective is issued per micro-batch. With FSDP inside
 each stage (a (pp, dp) mesh, not resharded after forward), each unit is all-gathered once
 before the first forward and reduce-scattered once after the last backward.
 """
