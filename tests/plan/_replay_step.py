@@ -320,6 +320,7 @@ def main():
         model_name, layout = mode.split("-")
         t = traced_step(model_name, layout, dev, rank)
         out[mode] = {"seconds": t.seconds, "flops": t.flops, "collectives": t.collectives,
+                     "memory_peak": t.memory_peak, "memory_start": t.memory_start,
                      "ops": [[o.charge.name, o.charge.count, o.charge.seconds,
                               [list(s) for s in o.charge.shapes or ()], o.module, o.backward,
                               o.charge.bytes_in, o.charge.bytes_out, o.charge.stream,

@@ -108,8 +108,23 @@ def test_replay_equals_a_real_2_rank_run(real, case):
         assert [c[4] for c in r["collectives"]] == pytest.approx(
             [c[3] for c in predicted.collectives], rel=1e-12)
         assert r["seconds"] == pytest.approx(predicted.seconds, rel=1e-9)
+        _assert_memory(predicted.memory, r)
     # the layout changes the step: the what-if is not the traced time
     assert abs(predicted.seconds - t.seconds) > 1e-3 * t.seconds
+
+
+def _assert_memory(m, real):
+    """The replayed HBM peak of a rank against the real rank's allocator: what the step
+    added over its start (its activations, gathered units, transients), on top of the state
+    the rank holds at the start (its parameters, gradients and optimizer state, exact by
+    construction), within 10% (measured -6% to +6%, docs/plan.md);
+    the real runs hold other cases' leftovers, so their start is not compared."""
+    state = m.parameters + m.gradients + m.optimizer
+    grew = m.peak - state - m.other
+    assert grew > 0
+    ratio = (state + grew) / (state + real["memory_peak"] - real["memory_start"])
+    assert 0.9 <= ratio <= 1.1, ratio
+    assert m.fits
 
 
 def test_sequence_parallelism_shards_the_norms_and_keeps_tp_matmuls(traced_norm):
@@ -289,10 +304,11 @@ def test_a_trace_without_its_module_cannot_be_replayed():
         t.replay_layout(tp=2, tp_plan={})
 
 
-def _mlp_step(opt_groups):
+def _mlp_step(opt_groups, optimizer=lambda groups: torch.optim.SGD(groups, lr=0.01)):
+    """The MLP, a warmed-up step of it and its optimizer (over ``opt_groups(model)``)."""
     dev = torch.device("neuron", 0)
     model = step_script.MLP().to(dev)
-    opt = torch.optim.SGD(opt_groups(model), lr=0.01)
+    opt = optimizer(opt_groups(model))
     x = torch.randn(step_script.TOKENS, step_script.DIM, device=dev)
 
     def step():
@@ -300,6 +316,7 @@ def _mlp_step(opt_groups):
         model(x).square().mean().backward()
         opt.step()
     step()
+    step.optimizer = opt
     return model, step
 
 
@@ -340,6 +357,7 @@ def test_uneven_fsdp_shards_replay_rank_0(traced):
     for r in real:
         assert [c[:3] for c in r["collectives"]] == [list(c[:3]) for c in predicted.collectives]
     assert real[0]["seconds"] == pytest.approx(predicted.seconds, rel=1e-9)
+    _assert_memory(predicted.memory, real[0])
     assert real[1]["seconds"] == pytest.approx(predicted.seconds, rel=1e-9)
     assert predicted.seconds * (1 - 1e-3) < real[2]["seconds"] < predicted.seconds
 
@@ -356,6 +374,7 @@ def test_hsdp_replay_equals_a_real_4_rank_run(traced):
         assert [c[4] for c in r["collectives"]] == pytest.approx(
             [c[3] for c in predicted.collectives], rel=1e-12)
         assert r["seconds"] == pytest.approx(predicted.seconds, rel=1e-9)
+        _assert_memory(predicted.memory, r)
     reduces = [c for c in predicted.collectives if c[0] == "all_reduce"]
     assert len(reduces) == 2 and all(c[2] == 2 for c in reduces)
     assert predicted.seconds == pytest.approx(fsdp.seconds + sum(c[3] for c in reduces), rel=1e-12)
@@ -386,6 +405,7 @@ def test_fsdp_x_tp_replay_equals_a_real_4_rank_run(traced):
         assert sum(c[4] for c in r["collectives"]) == pytest.approx(
             predicted.collective_seconds, rel=1e-12)
         assert r["seconds"] == pytest.approx(predicted.seconds, rel=1e-9)
+        _assert_memory(predicted.memory, r)
     # FSDP gathers the TP-local shards: a little more than half of what FSDP=2 alone moves
     # (the row-parallel bias is replicated by TP, so FSDP shards all of it)
     fsdp = traced.replay_layout(fsdp=2, fsdp_units=FSDP_UNITS)
@@ -411,6 +431,7 @@ def test_fsdp2_replicas_with_and_without_tp_equal_real_runs(traced):
         for r in (out[mode] for out in ranks(world, "_replay_step.py", mode, env=env)):
             assert sorted(tuple(c[:3]) for c in r["collectives"]) == want, (world, mode)
             assert r["seconds"] == pytest.approx(predicted.seconds, rel=1e-9), (world, mode)
+            _assert_memory(predicted.memory, r)
         ops = {c[0] for c in predicted.collectives}
         assert ops == ({"all_reduce"} if predicted.layout.startswith("fsdp=1") else
                        {"all_reduce", "all_gather", "reduce_scatter"})
@@ -432,6 +453,7 @@ def test_mixed_precision_fsdp_replay_equals_a_real_2_rank_run(traced, traced_gpt
             r = rank[f"{model}-fsdpmp"]
             assert [c[:3] for c in r["collectives"]] == [list(c[:3]) for c in predicted.collectives]
             assert r["seconds"] == pytest.approx(predicted.seconds, rel=rel)
+            _assert_memory(predicted.memory, r)
         # all-gathers move bf16, reduce-scatters fp32
         for a, b in zip(predicted.collectives, full.collectives):
             assert a[1] == (b[1] // 2 if a[0] == "all_gather" else b[1])
@@ -481,6 +503,7 @@ def test_pipeline_replay_equals_a_real_2_rank_run(traced, schedule, m):
         busy = stage.device_seconds + stage.collective_seconds
         assert r["seconds"] == pytest.approx(busy, rel=1e-9)
         assert r["flops"] == pytest.approx(stage.flops, rel=1e-12)
+        _assert_memory(stage.memory, r)
         assert stage.seconds == predicted.seconds
         assert stage.bubble_seconds == pytest.approx(stage.seconds - busy, rel=1e-12)
         assert stage.bubble_seconds > 0
@@ -516,6 +539,7 @@ def test_pipeline_with_tp_or_fsdp_equals_a_real_run(traced, inner):
         assert r["seconds"] == pytest.approx(stage.device_seconds + stage.collective_seconds,
                                              rel=1e-9)
         assert r["flops"] == pytest.approx(stage.flops, rel=1e-12)
+        _assert_memory(stage.memory, r)
     for inside, alone in zip(predicted.stages, pp_alone.stages):
         if inner == "fsdp+tp":
             continue
@@ -642,3 +666,90 @@ def test_expert_parallel_refuses_what_it_cannot_attribute(traced_moe):
     no_cat.ops = [o for o in traced_moe.ops if o.charge.name != "cat"]
     with pytest.raises(ValueError, match=r"found no cat of the expert outputs"):
         no_cat.replay_layout(ep=2, ep_experts="experts.*")
+
+
+def test_memory_of_a_step_with_adamw_equals_the_allocator_peak():
+    """The memory replay of the traced step on its own device (no layout): the traced
+    parameters, gradients, AdamW's two moments, the saved activations walked through the
+    backward and AdamW's out-of-place square roots reach the allocator's peak (measured
+    equal to the byte in a fresh process; this process holds other tests' tensors too, which
+    the trace counts as ``other``). TP=2 halves the parallel Linear layers' state; FSDP=2
+    shards it but gathers units; a chip with too little HBM gets the verdict."""
+    import dataclasses
+
+    import neuronhw
+    from torch_neuronx.plan.memory import layout_memory
+    with _unfused():
+        torch.manual_seed(0)
+        model, step = _mlp_step(lambda m: m.parameters(),
+                                lambda groups: torch.optim.AdamW(groups, lr=1e-3))
+        with plan.trace("neuron", model, optimizer=step.optimizer) as t:
+            step()
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert sum(t.optimizer_bytes.values()) == 2 * params
+    assert sum(t.grad_bytes.values()) == params
+    cfg = (neuronhw.get_profile("trn2"), 2)
+    m = layout_memory(t, cfg)[0]
+    assert (m.parameters, m.gradients, m.optimizer) == (params, params, 2 * params)
+    assert m.peak == pytest.approx(t.memory_peak, rel=0.02)
+    tp = t.replay_layout(tp=2, tp_plan=TP_PLAN).memory
+    assert tp.parameters < params / 2 + 4 * 2 * step_script.DIM * 2   # the rowwise biases
+    assert tp.optimizer == 2 * tp.parameters and tp.peak < m.peak
+    fsdp = t.replay_layout(fsdp=2, fsdp_units=FSDP_UNITS).memory
+    assert fsdp.parameters == params // 2 and fsdp.gathered > 0
+    assert fsdp.fits and "fits" in str(fsdp)
+    small = dataclasses.replace(neuronhw.get_profile("trn2"), hbm_bytes=fsdp.peak)
+    tight = t.replay_layout(fsdp=2, fsdp_units=FSDP_UNITS, profile=small).memory
+    assert not tight.fits and "DOES NOT FIT" in str(tight)
+
+
+def test_sweep_ranks_the_replays_of_every_layout_of_the_devices(traced):
+    """A sweep of 4 devices over the MLP's TP plan, FSDP units and blocks: every layout the
+    plans allow (replicas x shards x tp x pp = 4) appears once; each replayed row is the
+    replay_layout of its arguments, its tokens/s the replicas' tokens over its step; the
+    fitting rows come first, fastest first; a chip whose HBM holds only some of them puts
+    the others after, marked."""
+    import dataclasses
+
+    import neuronhw
+    rows = traced.sweep(4, step_script.TOKENS, tp_plan=TP_PLAN, fsdp_units=FSDP_UNITS,
+                        pp_blocks=PP_STAGES)
+    seen = {(r.layout.get("replicate", 1), r.layout.get("fsdp", 1), r.layout.get("tp", 1),
+             r.layout.get("pp", 1)) for r in rows}
+    assert len(seen) == len(rows)
+    # (replicate, fsdp, tp, pp); pp=4 would need 4 blocks, the MLP has 2
+    assert seen == {(4, 1, 1, 1), (2, 2, 1, 1), (1, 4, 1, 1), (2, 1, 2, 1), (1, 2, 2, 1),
+                    (1, 1, 4, 1), (1, 1, 2, 2), (1, 2, 1, 2)}
+    for r in rows:
+        assert r.replay is not None, r.reason
+        again = traced.replay_layout(**r.layout)
+        assert r.replay.seconds == again.seconds
+        replicas = r.layout.get("replicate", 1) * r.layout.get("fsdp", 1)
+        assert r.tokens_per_second == pytest.approx(
+            step_script.TOKENS * replicas / again.seconds, rel=1e-12)
+        assert r.fits and "DOES NOT FIT" not in str(r)
+    speeds = [r.tokens_per_second for r in rows]
+    assert speeds == sorted(speeds, reverse=True)
+    peaks = sorted(max(s.memory.peak for s in r.replay.stages or [r.replay]) for r in rows)
+    # a trn2 whose logical core holds the middle peak: the larger ones do not fit
+    chip = neuronhw.get_profile("trn2")
+    limit = peaks[len(peaks) // 2]
+    small = dataclasses.replace(chip, hbm_bytes=limit * chip.logical_cores(2))
+    tight = traced.sweep(4, step_script.TOKENS, tp_plan=TP_PLAN, fsdp_units=FSDP_UNITS,
+                         pp_blocks=PP_STAGES, profile=small)
+    fits = [r.fits for r in tight]
+    assert fits == sorted(fits, reverse=True) and 0 < sum(fits) < len(fits)
+    assert all("DOES NOT FIT" in str(r) for r in tight if not r.fits)
+
+
+def test_sweep_keeps_refused_layouts_with_the_reason_and_checks_its_arguments(traced_attn):
+    """Layouts the replays refuse stay in the sweep, last, with the replay's reason (TP=8
+    does not divide attention's 4 heads); a sweep needs 2 devices or more and some plan."""
+    rows = traced_attn.sweep(8, 96, tp_plan=step_script.ATTN_PLAN)
+    assert [r.layout["tp"] for r in rows] == [8]
+    assert rows[0].replay is None and "heads" in rows[0].reason
+    assert "not replayed" in str(rows[0])
+    with pytest.raises(ValueError, match="devices=1"):
+        traced_attn.sweep(1, 96, tp_plan=step_script.ATTN_PLAN)
+    with pytest.raises(ValueError, match="tp_plan, fsdp_units, pp_blocks"):
+        traced_attn.sweep(2, 96)

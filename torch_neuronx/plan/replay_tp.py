@@ -301,8 +301,9 @@ def replay_tp(trace, tp: int, tp_plan: dict, cfg, nodes: int, fsdp: int = 1,
 
 def _tp_walk(trace, tp_plan: dict):
     """Each traced op as (op, style, sizes): a parallel Linear's with its style (charged to
-    the Linear whose gradient it is, ``_backward_owner``) and sizes None; another op with
-    style None and the split sizes of the region it ran in (None outside). The sharded
+    the Linear whose gradient it is, ``_backward_owner``) and, in forward, the split sizes
+    of the region that follows it (None after a rowwise one; in backward None); another op
+    with style None and the split sizes of the region it ran in (None outside). The sharded
     region: forward from a colwise Linear to the next rowwise one, backward from a rowwise
     Linear to the next colwise one (several colwise Linear layers may open one, as
     attention's q, k and v projections; backward's is forward's, found by its rowwise
@@ -334,7 +335,7 @@ def _tp_walk(trace, tp_plan: dict):
         else:
             region[True] = paired.get(o.module, frozenset({fin})) \
                 if style == "rowwise" else None
-        yield o, style, None
+        yield o, style, region[False] if not o.backward else None
 
 
 def tp_stream(trace, tp: int, tp_plan: dict, cfg):
@@ -391,6 +392,46 @@ def tp_stream(trace, tp: int, tp_plan: dict, cfg):
             if what is not None:
                 for _ in range(n_launch):
                     yield "comm", (what, o.module, nbytes, c.dtype)
+
+
+def tp_saved(trace, tp: int, tp_plan: dict) -> list:
+    """The bytes a TP rank holds of each tensor the traced step saved for the backward
+    (``trace.saved``): one saved in a tensor-parallel region (the region in force at the op
+    it was saved at) with its dims of a split size, or else its heads, divided by tp, as
+    the ops around it; one outside whole, or on its share of the sequence with sequence
+    parallelism (but a column-parallel Linear's input, saved all-gathered, a copy per
+    Linear). A shape whose heads the rules cannot tell apart is counted whole."""
+    _check_plan(tp, tp_plan, trace.linears, trace.modules, trace.forward_calls)
+    tokens = _root_sequence(trace, tp)[0] if "sequence" in tp_plan.values() else None
+    walk = list(_tp_walk(trace, tp_plan))
+    heads = _region_heads((o, sizes) for o, style, sizes in walk if style is None and sizes)
+    before, cur = [], None   # the forward region in force before each op
+    for o, style, sizes in walk:
+        before.append(cur)
+        if not o.backward:
+            cur = sizes
+    before.append(cur)
+    out, seen = [], set()
+    for t in trace.saved:
+        s, sizes = t.shape, before[t.at]
+        # a storage several ops saved is held once; but with sequence parallelism each
+        # column-parallel Linear all-gathers its input for itself and saves that copy
+        gathered = tokens is not None and tp_plan.get(t.module) == "colwise"
+        key = (t.storage, t.module) if gathered else t.storage
+        if key in seen:
+            out.append(0)
+            continue
+        seen.add(key)
+        if sizes is None:
+            local = _split_shapes((s,), tokens, tp)[0] if tokens and not gathered else s
+        elif any(d in sizes for d in s):
+            local = tuple(d // tp if d in sizes else d for d in s)
+        else:
+            found = [i for i in (1, 2) if len(s) == 4 and s[i] * s[-1] in sizes]
+            found = found or [i for i in (1, 2)[:len(s) - 2] if s[i] in heads.get(sizes, ())]
+            local = tuple(d // tp if [i] == found else d for i, d in enumerate(s))
+        out.append(t.nbytes * math.prod(local) // max(1, math.prod(s)))
+    return out
 
 
 def _root_sequence(trace, n: int) -> tuple:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -31,6 +32,19 @@ class TracedOp:
     charge: object
     module: str | None = None
     backward: bool = False
+
+
+class SavedTensor(NamedTuple):
+    """A tensor autograd saved for the backward in the traced step: its storage's bytes, its
+    shape and dtype, the module it was saved under, the number of ops charged before it, and
+    its storage (several ops may save one storage; a saved storage lives until the backward,
+    so no other saved tensor reuses its address in the step)."""
+    nbytes: int
+    shape: tuple
+    dtype: torch.dtype
+    module: str | None
+    at: int
+    storage: int
 
 
 @dataclass
@@ -52,6 +66,19 @@ class StepTrace:
     root_inputs: list = field(default_factory=list)     # (shape, dtype) of the root's tensor args
     # submodule name -> [(shape, dtype)] of the tensors its first forward call returned
     module_outputs: dict = field(default_factory=dict)
+    # Memory (``trace(device, module)``): the allocator's bytes at the start and its peak in
+    # the step; every tensor autograd saved for the backward (``SavedTensor``; not the
+    # parameters' nor the root's inputs); per parameter fqn its gradient's bytes (at the end of the step,
+    # and at the first backward boundary: gradients kept through the forward) and its
+    # optimizer state's (``trace(..., optimizer=)``); each submodule's number of ops charged
+    # before its first forward.
+    memory_start: int = 0
+    memory_peak: int = 0
+    saved: list = field(default_factory=list)
+    grad_bytes: dict = field(default_factory=dict)
+    kept_grads: dict = field(default_factory=dict)
+    optimizer_bytes: dict = field(default_factory=dict)
+    first_op: dict = field(default_factory=dict)
 
     def replay(self, group_size: int, nodes: int = 1, profile=None, lnc: int | None = None) -> float:
         """Modelled seconds of the traced step with its collectives over ``group_size`` ranks
@@ -147,7 +174,27 @@ class StepTrace:
                               mp_policy)
         for r in out.stages or [out]:
             r.profile, r.lnc = cfg
+        if ep == 1:
+            from .memory import layout_memory
+            mems = layout_memory(self, cfg, fsdp=fsdp, fsdp_units=fsdp_units,
+                                 replicate=replicate, tp=tp, tp_plan=tp_plan, pp=pp,
+                                 pp_stages=pp_stages, schedule=schedule,
+                                 microbatches=microbatches, mp_policy=mp_policy)
+            for r, m in zip(out.stages or [out], mems):
+                r.memory = m
         return out
+
+
+    def sweep(self, devices: int, tokens: int, *, tp_plan=None, fsdp_units=None,
+              pp_blocks=None, nodes: int = 1, profile=None, lnc: int | None = None) -> list:
+        """The layouts of ``devices`` devices that the plans allow (tp with ``tp_plan``,
+        FSDP2 / HSDP / replicas with ``fsdp_units``, 1F1B pp with ``pp_blocks``, the blocks
+        split evenly into stages), each replayed (``replay_layout``) and ranked: fitting
+        first, by tokens/s over the devices (``tokens``: the traced step's), refused ones
+        last with the reason (``plan.replay_sweep.Ranked``)."""
+        from .replay_sweep import sweep
+        return sweep(self, devices, tokens, tp_plan=tp_plan, fsdp_units=fsdp_units,
+                     pp_blocks=pp_blocks, nodes=nodes, profile=profile, lnc=lnc)
 
 
 def _chip(profile):
@@ -162,11 +209,12 @@ def _chip(profile):
                      f"neuronhw.TRN2) nor a chip name (trn1, trn2, trn3)")
 
 
-def _tracker(flush, moved, root, calls: dict, root_inputs: list, outputs: dict):
+def _tracker(flush, moved, root, calls: dict, root_inputs: list, outputs: dict, first=None):
     """A ModTracker that charges the device's work to the modules it ran under: the runtime
     aggregates op records between drains, so each module boundary first drains (``flush``),
     then notes the new set of active modules (``moved``); ``calls`` counts each module's
-    forward calls, ``outputs`` keeps what each returned first (a pipeline stage sends it)."""
+    forward calls, ``outputs`` keeps what each returned first (a pipeline stage sends it),
+    ``first(mod, inputs)`` is called at a module's first forward, after the drain."""
     from torch.distributed._tools.mod_tracker import ModTracker
 
     class _Tracker(ModTracker):
@@ -175,7 +223,10 @@ def _tracker(flush, moved, root, calls: dict, root_inputs: list, outputs: dict):
             if mod is root and calls[mod] == 1:
                 root_inputs.extend((tuple(a.shape), a.dtype) for a in input
                                    if isinstance(a, torch.Tensor))
-            return super()._fw_pre_hook(mod, input)
+            out = super()._fw_pre_hook(mod, input)
+            if first is not None and calls[mod] == 1:
+                first(mod, input)
+            return out
 
         def _fw_post_hook(self, mod, input, output):
             if mod not in outputs:
@@ -213,20 +264,44 @@ def _innermost(parents, root_name: str):
     return deepest[len(root_name) + 1:] if deepest != root_name else ""
 
 
+def _plain(t) -> bool:
+    """A tensor with storage of its own (not a DTensor or another wrapper subclass, whose
+    memory is its local tensor's)."""
+    return isinstance(t, torch.Tensor) and (type(t) in (torch.Tensor, torch.nn.Parameter))
+
+
+def _tensor_bytes(tensors, dev) -> int:
+    """Bytes of the distinct storages of ``tensors`` (None skipped) on device ``dev``."""
+    seen = {}
+    for t in tensors:
+        if _plain(t) and t.device == dev:
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
 @contextlib.contextmanager
-def trace(device=None, module: torch.nn.Module | None = None):
+def trace(device=None, module: torch.nn.Module | None = None, optimizer=None):
     """Trace one step on ``device``: totals, collectives, and every op the cost model charged
     (``StepTrace.ops``). With ``module``, each op also names the innermost submodule of
     ``module`` it ran under, forward or backward (the op records are drained at every module
-    boundary; the device is not waited for, so the step and its time are unchanged)."""
+    boundary; the device is not waited for, so the step and its time are unchanged), and the
+    step's memory is recorded: the allocator's peak (its peak statistic is reset at the
+    start), the tensors autograd saves for the backward (seen by a ``saved_tensors_hooks``
+    pair, so a step that differentiates its backward again is not traced), the gradients,
+    and with ``optimizer`` (a ``torch.optim.Optimizer`` over the module's parameters) its
+    per-parameter state, which the memory replay then shards with the parameters."""
     from .. import cost_model
     from ..cost_model import modelled_time
     from ..distributed import collectives_model
     from ..neuron import _index
     idx = _index(device)
+    dev = torch.device("neuron", idx)
     torch.neuron.synchronize(device)
     modelled_time(device, reset=True)
     out = StepTrace()
+    out.memory_start = torch.neuron.memory_allocated(dev)
+    torch.neuron.reset_peak_memory_stats(dev)
     # the module (None: outside the traced module) and backward flag that the device's
     # pending work is charged to: the state after the last module boundary
     where = [None, False]
@@ -249,12 +324,36 @@ def trace(device=None, module: torch.nn.Module | None = None):
             # step); a fusion window open at the boundary is recorded when it closes.
             cost_model._drain()
 
+        calls, outputs, bw_seen = {}, {}, []
+        names = {m: n for n, m in module.named_modules()}
+        named = dict(module.named_parameters())
+        # storages autograd saves that are not activations: parameters, the root's inputs
+        skip = {p.untyped_storage().data_ptr() for p in named.values() if _plain(p)}
+
+        def first(mod, inputs):
+            out.first_op[names.get(mod)] = len(out.ops)
+            if mod is module:
+                skip.update(a.untyped_storage().data_ptr() for a in inputs if _plain(a))
+
         def moved():
             where[0] = _innermost(tracker.parents, root_name)
+            if tracker.is_bw and not bw_seen:   # the first backward boundary
+                bw_seen.append(True)
+                out.kept_grads = {n: _tensor_bytes([p.grad], dev) for n, p in named.items()
+                                  if p.grad is not None}
             where[1] = tracker.is_bw
 
-        calls, outputs = {}, {}
-        tracker = _tracker(flush, moved, module, calls, out.root_inputs, outputs)
+        def pack(x):
+            if _plain(x) and x.device == dev:
+                st = x.untyped_storage()
+                if st.data_ptr() not in skip:
+                    out.saved.append(SavedTensor(st.nbytes(), tuple(x.shape), x.dtype,
+                                                 where[0], len(out.ops), st.data_ptr()))
+            # the hooks' contract: what pack returns must not hold the tensor itself (a
+            # reference cycle through an output's grad_fn)
+            return x.detach()
+
+        tracker = _tracker(flush, moved, module, calls, out.root_inputs, outputs, first)
         out.params = {n: (tuple(p.shape), p.dtype) for n, p in module.named_parameters()}
         out.linears = {n: (m.in_features, m.out_features) for n, m in module.named_modules()
                        if isinstance(m, torch.nn.Linear)}
@@ -263,7 +362,7 @@ def trace(device=None, module: torch.nn.Module | None = None):
     cost_model._op_listeners.append(on_op)
     try:
         if tracker is not None:
-            with tracker:
+            with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
                 yield out
                 torch.neuron.synchronize(device)
                 cost_model._drain()
@@ -274,7 +373,19 @@ def trace(device=None, module: torch.nn.Module | None = None):
     finally:
         collectives_model.listeners.remove(on_collective)
         cost_model._op_listeners.remove(on_op)
+    out.memory_peak = torch.neuron.max_memory_allocated(dev)
     if module is not None:
+        out.grad_bytes = {n: _tensor_bytes([p.grad], dev) for n, p in named.items()
+                          if p.grad is not None}
+        if optimizer is not None:
+            by_param = {p: n for n, p in named.items()}
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p not in by_param:
+                        raise ValueError("plan.trace: the optimizer steps a parameter that is "
+                                         "not the traced module's")
+                    out.optimizer_bytes[by_param[p]] = _tensor_bytes(
+                        optimizer.state.get(p, {}).values(), dev)
         out.forward_calls = {n: calls.get(m, 0) for n, m in module.named_modules()}
         out.module_outputs = {n: outputs[m] for n, m in module.named_modules() if m in outputs}
     out.seconds, out.flops, out.hbm_bytes, out.launches, out.link_bytes = (
