@@ -198,6 +198,11 @@ MODELS = {
     "rotary": Workload(RotaryStack, lambda g: torch.randn(2, 48, 128, generator=g),
                        lambda m, x: m(x).square().mean(), ATTN_PLAN,
                        [f"blocks.{i}" for i in range(BLOCKS)] + [""]),
+    # the same with a sequence as long as the key/value projections are wide (64): a
+    # region's (batch, sequence, 64) shapes split on their features, not their sequence
+    "rotaryseq": Workload(RotaryStack, lambda g: torch.randn(2, 64, 128, generator=g),
+                          lambda m, x: m(x).square().mean(), ATTN_PLAN,
+                          [f"blocks.{i}" for i in range(BLOCKS)] + [""]),
     # TorchTitan's layout of them: pre-norm, sequence parallel on dim 1 of (batch, sequence)
     "normattn": Workload(lambda: MLP(d=128, block=NormAttnBlock),
                          lambda g: torch.randn(2, 48, 128, generator=g),

@@ -32,6 +32,8 @@ CASES = {"mlp-fsdp": ("mlp", dict(fsdp=2, fsdp_units=MLP.fsdp_units)),
          "attnsq-tp": ("attnsq", dict(tp=2, tp_plan=step_script.ATTN_PLAN)),
          # grouped-query attention with rotary embeddings, as Transformers' Llama
          "rotary-tp": ("rotary", dict(tp=2, tp_plan=step_script.ATTN_PLAN)),
+         # and a sequence as long as the key/value projections are wide
+         "rotaryseq-tp": ("rotaryseq", dict(tp=2, tp_plan=step_script.ATTN_PLAN)),
          # TorchTitan's sequence parallelism: norms sharded on the sequence
          "normmlp-sp": ("normmlp", dict(tp=2, tp_plan=NORM.tp_plan)),
          # and on (batch, sequence) inputs with attention, as TorchTitan lays out a block
@@ -91,8 +93,8 @@ def test_replay_equals_a_real_2_rank_run(real, case):
     TorchTitan-style attention blocks under TP=2 (square q/k/v/o projections split by the
     role of each dim in their matmuls, flash attention on half the heads; also with as many
     tokens as the projections are wide, when a Linear's two gradients have the same shapes;
-    and grouped-query attention with Llama's rotary embeddings, one key/value head per rank),
-    and
+    and grouped-query attention with Llama's rotary embeddings, one key/value head per rank,
+    also on a sequence as long as the key/value projections are wide), and
     pre-norm blocks under TP=2 with sequence parallelism (SequenceParallel norms, the
     colwise input and rowwise output sharded on the sequence: all-gathers and
     reduce-scatters, and the all-reduce of the norms' gradients), also for pre-norm

@@ -54,32 +54,52 @@ def _region_heads(ops) -> dict:
     return heads
 
 
+def _region_shape(o, s: tuple, sizes: frozenset, n: int, heads: set,
+                  anywhere: bool = True) -> tuple:
+    """Shape ``s`` (an operand of ``o``, between a column- and a row-parallel Linear) on one
+    rank. A 4-D shape is split on its heads (``_heads_of``, or else a dim 1 or 2 equal to a
+    head count such regions show, ``heads``: rotary halves, scores), as attention lays it
+    out; another shape, or a 4-D one without heads, on its last dim when that is a split
+    size (its features: a sequence as long as a projection is wide stays whole), or else
+    (``anywhere``) on every dim equal to a split size. Unchanged when none applies."""
+    found = _heads_of(o, s, sizes) if len(s) == 4 else []
+    if not found and len(s) == 4:
+        found = [i for i in (1, 2) if s[i] in heads]
+    if len(found) > 1:
+        raise ValueError(f"replay: {o.charge.name} {list(o.charge.shapes)} in the "
+                         f"tensor-parallel region of module {o.module!r}: dims "
+                         f"{found} of {s} could each be the heads of a split size "
+                         f"{sorted(sizes)}; the replay cannot tell which tp splits")
+    for i in found:
+        if s[i] % n:
+            raise ValueError(f"replay: tp={n} does not divide the {s[i]} heads (dim {i} of "
+                             f"{s}) of {o.charge.name} in the tensor-parallel region of "
+                             f"module {o.module!r}")
+    if not found and s and s[-1] in sizes:
+        found = [len(s) - 1]
+    elif not found and anywhere:
+        found = [i for i, d in enumerate(s) if d in sizes]
+    return tuple(d // n if i in found else d for i, d in enumerate(s))
+
+
 def _region_shapes(o, sizes: frozenset, n: int, heads: set) -> tuple:
-    """The shapes of an op between a column- and a row-parallel Linear on one rank: every dim
-    equal to one of the region's split sizes divided by n; in a shape without one, its heads
-    (``_heads_of``), or else a dim 1 or 2 of a 4-D shape equal to a head count such regions
-    show (``heads``: rotary halves, scores)."""
+    """The shapes of an op between a column- and a row-parallel Linear on one rank
+    (``_region_shape``; an operand of lower rank that broadcasts against the widest one
+    split as it); an op none of whose shapes splits is refused."""
     _priced(o)
-    out = []
-    for s in o.charge.shapes:
-        if any(d in sizes for d in s):
-            out.append(tuple(d // n if d in sizes else d for d in s))
-            continue
-        found = _heads_of(o, s, sizes)
-        if not found and len(s) == 4:
-            found = [i for i in (1, 2) if s[i] in heads]
-        if len(found) > 1:
-            raise ValueError(f"replay: {o.charge.name} {list(o.charge.shapes)} in the "
-                             f"tensor-parallel region of module {o.module!r}: dims "
-                             f"{found} of {s} could each be the heads of a split size "
-                             f"{sorted(sizes)}; the replay cannot tell which tp splits")
-        for i in found:
-            if s[i] % n:
-                raise ValueError(f"replay: tp={n} does not divide the {s[i]} heads (dim {i} of "
-                                 f"{s}) of {o.charge.name} in the tensor-parallel region of "
-                                 f"module {o.module!r}")
-        out.append(tuple(d // n if i in found else d for i, d in enumerate(s)))
-    new = tuple(out)
+    shapes = tuple(o.charge.shapes)
+    big = max(shapes, key=len, default=())
+    split = _region_shape(o, big, sizes, n, heads)
+    new = []
+    for s in shapes:
+        lead = len(big) - len(s)
+        if lead > 0 and all(d in (1, big[lead + j]) for j, d in enumerate(s)):
+            # broadcast against the op's widest operand (a rotary table (sequence,
+            # head_dim) against (batch, heads, sequence, head_dim)): split where it is
+            new.append(tuple(split[lead + j] if d != 1 else 1 for j, d in enumerate(s)))
+        else:
+            new.append(_region_shape(o, s, sizes, n, heads))
+    new = tuple(new)
     if new == tuple(o.charge.shapes) and any(math.prod(s) > 1 for s in new):
         raise ValueError(f"replay: {o.charge.name} {list(o.charge.shapes)} ran in the "
                          f"tensor-parallel region of module {o.module!r} with no dim of a split "
@@ -394,6 +414,16 @@ def tp_stream(trace, tp: int, tp_plan: dict, cfg):
                     yield "comm", (what, o.module, nbytes, c.dtype)
 
 
+class _Saved:
+    """A saved tensor where ``_region_shape`` expects an op: named, in its module."""
+    def __init__(self, module):
+        self.module = module
+        self.charge = self
+
+    name = "saved tensor"
+    shapes = ()
+
+
 def tp_saved(trace, tp: int, tp_plan: dict) -> list:
     """The bytes a TP rank holds of each tensor the traced step saved for the backward
     (``trace.saved``): one saved in a tensor-parallel region (the region in force at the op
@@ -424,12 +454,14 @@ def tp_saved(trace, tp: int, tp_plan: dict) -> list:
         seen.add(key)
         if sizes is None:
             local = _split_shapes((s,), tokens, tp)[0] if tokens and not gathered else s
-        elif any(d in sizes for d in s):
-            local = tuple(d // tp if d in sizes else d for d in s)
         else:
-            found = [i for i in (1, 2) if len(s) == 4 and s[i] * s[-1] in sizes]
-            found = found or [i for i in (1, 2)[:len(s) - 2] if s[i] in heads.get(sizes, ())]
-            local = tuple(d // tp if [i] == found else d for i, d in enumerate(s))
+            try:
+                # features or heads only: a saved operand of lower rank (a rotary table)
+                # is not seen beside the operand it broadcast against
+                local = _region_shape(_Saved(t.module), s, sizes, tp, heads.get(sizes, set()),
+                                      anywhere=False)
+            except ValueError:   # heads the rules cannot tell apart: counted whole
+                local = s
         out.append(t.nbytes * math.prod(local) // max(1, math.prod(s)))
     return out
 
