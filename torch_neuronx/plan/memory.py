@@ -190,6 +190,7 @@ def layout_memory(trace, cfg, *, fsdp=1, fsdp_units=None, replicate=1, tp=1, tp_
     of its shard group holds."""
     from .replay import _shard_numel
     from .replay_fsdp import _check_units, _unit_of
+    from .replay_pp import stage_of
     from .replay_tp import _tp_local_shape, tp_saved
     _check(trace)
     sharding = fsdp > 1 or (replicate > 1 and fsdp_units is not None)
@@ -229,19 +230,13 @@ def layout_memory(trace, cfg, *, fsdp=1, fsdp_units=None, replicate=1, tp=1, tp_
         return [replay_memory(trace, local, saved, cfg, units, unsharded)]
     stages = [[n] if isinstance(n, str) else list(n) for n in pp_stages]
 
-    def stage_of(module):
-        if module is None:
-            return pp - 1      # the loss, on the last stage
-        for s, stage in enumerate(stages):
-            if any(module == n or module.startswith(n + ".") for n in stage):
-                return s
-        where = "the root module itself" if module == "" else f"module {module!r}"
-        raise ValueError(f"replay: a tensor saved for the backward in {where} is in no "
-                         f"pipeline stage (pp_stages={pp_stages})")
     out = []
     for s, stage in enumerate(stages):
         mine = {f: n for f, n in local.items() if any(f.startswith(u + ".") for u in stage)}
-        held = [b if stage_of(t.module) == s else 0 for b, t in zip(saved, trace.saved)]
+        # the loss (outside the model) on the last stage
+        held = [b if (stage_of(t.module, stages, "a tensor saved for the backward in {where}")
+                      if t.module is not None else pp - 1) == s else 0
+                for b, t in zip(saved, trace.saved)]
         # a stage holds the saved tensors of the micro-batches whose backward has not run:
         # all of them under GPipe, at most pp - s under 1F1B (each 1/m of the traced batch)
         flight = microbatches if schedule == "gpipe" else min(microbatches, pp - s)

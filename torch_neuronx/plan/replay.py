@@ -85,11 +85,15 @@ def _is_optimizer(name: str) -> bool:
     return name.startswith("_foreach_") or name.startswith("_fused_")
 
 
+def _shard_shape(shape, n: int) -> tuple:
+    """Rank 0's shard of a parameter (FSDP2: dim 0 in chunks of ceil(dim0 / n) rows; a
+    scalar whole)."""
+    return (math.ceil(shape[0] / n), *shape[1:]) if shape else tuple(shape)
+
+
 def _shard_numel(shape, n: int) -> int:
-    """Elements of rank 0's shard (FSDP2: dim 0 in chunks of ceil(dim0 / n) rows)."""
-    if not shape:
-        return 1
-    return math.ceil(shape[0] / n) * math.prod(shape[1:])
+    """Elements of rank 0's shard (``_shard_shape``)."""
+    return math.prod(_shard_shape(shape, n))
 
 
 def _split_shapes(shapes, size: int, n: int):

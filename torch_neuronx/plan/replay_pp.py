@@ -23,21 +23,28 @@ from __future__ import annotations
 import math
 
 from .replay import (Replay, _is_optimizer, _local_bytes, _optimizer_op, _root_dim0,
-                     _split_op)
+                     _shard_shape, _split_op)
 from .replay_tp import _tp_comm, _tp_local_shape, tp_stream
 
 SCHEDULES = ("gpipe", "1f1b")
 
 
-def _stage_of(o, units: list) -> int | None:
-    """The stage whose modules ran ``o`` (None for an op outside the model)."""
-    if o.module is None:
+def _in(module: str, names) -> bool:
+    """Whether ``module`` is one of ``names`` or inside one."""
+    return any(module == n or module.startswith(n + ".") for n in names)
+
+
+def stage_of(module, units: list, what: str) -> int | None:
+    """The pipeline stage (``units``: each stage's module names) holding ``module``, None for
+    None (outside the model); ``what`` (an op, a saved tensor, an FSDP unit; "{where}" in it
+    is the module) is named when no stage holds it."""
+    if module is None:
         return None
     for s, names in enumerate(units):
-        if any(o.module == u or o.module.startswith(u + ".") for u in names):
+        if module != "" and _in(module, names):
             return s
-    where = "the root module itself" if o.module == "" else f"module {o.module!r}"
-    raise ValueError(f"replay: {o.charge.name} ran in {where}, which is in no pipeline stage "
+    where = "the root module itself" if module == "" else f"module {module!r}"
+    raise ValueError(f"replay: {what.format(where=where)} is in no pipeline stage "
                      f"(pp_stages={units}); the replay splits stages by module boundary")
 
 
@@ -94,14 +101,8 @@ def replay_pp(trace, pp: int, stages, schedule: str, m: int, cfg, nodes: int, tp
         raise ValueError("replay: pp with sequence-parallel tp is not replayed yet (checked "
                          "against real runs: pp with tp)")
     fsdp_units, covered = _check_units(trace, fsdp, fsdp_units) if fsdp > 1 else ([], set())
-    unit_stage = {}
-    for u in fsdp_units:
-        where = [s for s, names in enumerate(units)
-                 if u != "" and any(u == n or u.startswith(n + ".") for n in names)]
-        if not where:
-            raise ValueError(f"replay: fsdp unit {u!r} is in no pipeline stage "
-                             f"(pp_stages={stages}); each stage shards its own modules")
-        unit_stage[u] = where[0]
+    # each stage shards its own modules
+    unit_stage = {u: stage_of(u, units, f"fsdp unit {u!r}") for u in fsdp_units}
     p, lnc = cfg
     # a p2p goes through the pipeline group: the backend charges it as the group's (its
     # price is one link's, over EFA when the group spans nodes); the mesh is (pp, dp, tp),
@@ -118,8 +119,8 @@ def replay_pp(trace, pp: int, stages, schedule: str, m: int, cfg, nodes: int, tp
                  if fsdp > 1 else None)
     fsdp_order = _forward_order(trace, fsdp_units) if fsdp > 1 else []
     # the parameters a rank steps and scales: FSDP's shards of its units' parameters
-    held = {f: ((math.ceil(shape[0] / fsdp), *shape[1:]) if f in covered and shape else shape,
-                dtype) for f, (shape, dtype) in params.items()}
+    held = {f: (_shard_shape(shape, fsdp) if f in covered else shape, dtype)
+            for f, (shape, dtype) in params.items()}
     # the rank's work in issue order: ("op", TracedOp) and, with tp, ("comm", comm) after
     # the op that issues it
     work = list(tp_stream(trace, tp, tp_plan, cfg)) if tp > 1 else [("op", o) for o in trace.ops]
@@ -147,7 +148,7 @@ def replay_pp(trace, pp: int, stages, schedule: str, m: int, cfg, nodes: int, tp
                 tail.append((o, *_optimizer_op(o, local / full, cfg, trace.params)))
                 here = False
                 continue
-            where = _stage_of(o, units)
+            where = stage_of(o.module, units, f"{c.name}, which ran in {{where}},")
             here = where == s or (where is None and s == pp - 1)   # the loss: last stage
             if here:
                 (bwd if o.backward else fwd).append((o, *_split_op(o, batch, m, cfg)))
