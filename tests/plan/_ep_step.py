@@ -129,6 +129,7 @@ def main():
     torch.neuron.set_device(dev)
     t, first = traced_step(layout, dev)
     out = {"loss": first, "seconds": t.seconds, "flops": t.flops, "collectives": t.collectives,
+           "memory_peak": t.memory_peak, "memory_start": t.memory_start,
            "ops": [[o.charge.name, o.charge.count, o.charge.seconds,
                     [list(s) for s in o.charge.shapes or ()], o.module, o.backward,
                     o.charge.bytes_in, o.charge.bytes_out] for o in t.ops]}

@@ -119,7 +119,7 @@ def _assert_memory(m, real):
     """The replayed HBM peak of a rank against the real rank's allocator: what the step
     added over its start (its activations, gathered units, transients), on top of the state
     the rank holds at the start (its parameters, gradients and optimizer state, exact by
-    construction), within 10% (measured -6% to +6%, docs/plan.md);
+    construction), within 10% (measured -6% to +9%, docs/plan.md);
     the real runs hold other cases' leftovers, so their start is not compared."""
     state = m.parameters + m.gradients + m.optimizer
     grew = m.peak - state - m.other
@@ -618,6 +618,7 @@ def test_expert_parallel_replay_equals_a_real_2_rank_run(traced_moe):
         busy.append(rank.device_seconds + rank.collective_seconds)
         assert r["seconds"] == pytest.approx(busy[-1], rel=1e-9)
         assert r["flops"] == pytest.approx(rank.flops, rel=1e-12)
+        _assert_memory(rank.memory, r)
     # the ranks' experts got different token counts: the step is the slower rank's
     assert busy[0] != busy[1]
     assert predicted.seconds == max(busy)

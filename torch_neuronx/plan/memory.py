@@ -245,3 +245,36 @@ def layout_memory(trace, cfg, *, fsdp=1, fsdp_units=None, replicate=1, tp=1, tp_
                                  unsharded, flight / microbatches, other=s == 0,
                                  accumulate=microbatches > 1))
     return out
+
+
+def ep_memory(trace, cfg, experts: list, ep: int) -> list:
+    """Each expert-parallel rank's ``Memory`` (``experts``: the expert modules in order, E / ep
+    contiguous ones per rank): the non-expert parameters whole and its own experts', the
+    tensors saved outside the experts as traced, and its experts' once per source rank
+    (each runs on a chunk of tokens from every rank, routed as the traced step), their
+    gradients accumulated over the chunks."""
+    per = len(experts) // ep
+
+    def expert_of(name):
+        return next((e for e in experts if name is not None and (name == e or
+                                                                 name.startswith(e + "."))),
+                    None)
+    # outside the experts a storage counts once; an expert's input is its rows of the tokens
+    # sorted by expert (one storage in the trace, each rank's received chunks under ep):
+    # what an expert saves counts as its own view, once per expert
+    seen, saved = set(), []
+    for t in trace.saved:
+        e = expert_of(t.module)
+        key = (t.storage, e)
+        saved.append(0 if key in seen else
+                     t.nbytes if e is None else math.prod(t.shape) * t.dtype.itemsize)
+        seen.add(key)
+    out = []
+    for r in range(ep):
+        held = set(experts[r * per:(r + 1) * per])
+        local = {f: math.prod(shape) for f, (shape, _) in trace.params.items()
+                 if expert_of(_module_of(f)) in held | {None}}
+        mine = [b * ep if expert_of(t.module) in held else 0 if expert_of(t.module) else b
+                for b, t in zip(saved, trace.saved)]
+        out.append(replay_memory(trace, local, mine, cfg, accumulate=True))
+    return out

@@ -38,7 +38,7 @@ class Replay:
     stages: list = field(default_factory=list, repr=False)
     profile: object = field(default=None, repr=False)   # the chip it was priced for
     lnc: int = 1
-    memory: object = field(default=None, repr=False)    # plan.memory.Memory (not under ep)
+    memory: object = field(default=None, repr=False)    # plan.memory.Memory (None: dp)
 
     @property
     def breakdown(self) -> dict:

@@ -174,14 +174,17 @@ class StepTrace:
                               mp_policy)
         for r in out.stages or [out]:
             r.profile, r.lnc = cfg
-        if ep == 1:
-            from .memory import layout_memory
+        from .memory import ep_memory, layout_memory
+        if ep > 1:
+            from .replay_ep import _experts
+            mems = ep_memory(self, cfg, _experts(self, ep, ep_experts), ep)
+        else:
             mems = layout_memory(self, cfg, fsdp=fsdp, fsdp_units=fsdp_units,
                                  replicate=replicate, tp=tp, tp_plan=tp_plan, pp=pp,
                                  pp_stages=pp_stages, schedule=schedule,
                                  microbatches=microbatches, mp_policy=mp_policy)
-            for r, m in zip(out.stages or [out], mems):
-                r.memory = m
+        for r, m in zip(out.stages or [out], mems):
+            r.memory = m
         return out
 
 
