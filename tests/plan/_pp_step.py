@@ -34,22 +34,26 @@ def main():
     # PP_FSDP=N > 1: FSDP2 over N ranks inside each stage (a (pp, dp) mesh), not resharded
     # after forward, as TorchTitan does under PP
     dp = int(os.environ.get("PP_FSDP", "1"))
-    pp, group = world // tp // dp, None
+    # PP_REPLICATE=R > 1: HSDP inside each stage, a (pp, replicate, dp) mesh
+    rep = int(os.environ.get("PP_REPLICATE", "1"))
+    pp, group = world // tp // dp // rep, None
     model = step_script.MLP(n=pp)
-    block = model.blocks[rank // tp // dp].to(dev)
-    if tp > 1 or dp > 1:
+    block = model.blocks[rank // tp // dp // rep].to(dev)
+    if tp > 1 or dp > 1 or rep > 1:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                        parallelize_module)
-        mesh = init_device_mesh("neuron", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+        mesh = init_device_mesh("neuron", (pp, rep, dp, tp),
+                                mesh_dim_names=("pp", "rep", "dp", "tp"))
         if tp > 1:
             parallelize_module(block, mesh["tp"], {"fc1": ColwiseParallel(),
                                                    "fc2": RowwiseParallel()})
-        if dp > 1:
-            fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)
+        if dp > 1 or rep > 1:
+            fully_shard(block, mesh=mesh["rep", "dp"] if rep > 1 else mesh["dp"],
+                        reshard_after_forward=False)
         group = mesh["pp"].get_group()
-    stage = PipelineStage(block, rank // tp // dp, pp, dev, group=group)
+    stage = PipelineStage(block, rank // tp // dp // rep, pp, dev, group=group)
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     sched = cls(stage, m, loss_fn=loss_fn)
     opt = torch.optim.SGD(block.parameters(), lr=0.01)
@@ -58,9 +62,9 @@ def main():
 
     def step():
         opt.zero_grad(set_to_none=True)
-        if rank // tp // dp == 0:
+        if rank // tp // dp // rep == 0:
             sched.step(x)
-        elif rank // tp // dp == pp - 1:
+        elif rank // tp // dp // rep == pp - 1:
             sched.step(target=x, losses=[])
         else:
             sched.step()

@@ -514,16 +514,21 @@ def test_pipeline_replay_equals_a_real_2_rank_run(traced, schedule, m):
     assert predicted is max(predicted.stages, key=lambda s: s.seconds - s.bubble_seconds)
 
 
-@pytest.mark.parametrize("inner", ["tp", "fsdp", "fsdp+tp"])
+@pytest.mark.parametrize("inner", ["tp", "fsdp", "fsdp+tp", "hsdp"])
 def test_pipeline_with_tp_or_fsdp_equals_a_real_run(traced, inner):
     """PP=2 with TP=2, FSDP=2 or both inside each stage, on a (pp, dp, tp) mesh
     (TorchTitan's order), 1F1B over 4 micro-batches. TP: each stage's ops are its TP rank's,
     each TP all-reduce issued per micro-batch at 1/4 of the bytes. FSDP (not resharded after
     forward, as TorchTitan runs it under PP): one all-gather before the first micro-batch, the
-    accumulated gradients reduce-scattered after the last, scaled and stepped as shards. Every
-    rank of a stage (4 ranks, 8 for 3-D) reports its replayed busy time, collective by
-    collective."""
+    accumulated gradients reduce-scattered after the last, scaled and stepped as shards; HSDP
+    (replicate 2, shard 2: a (pp, replicate, dp) mesh) all-reduces each shard over the
+    replicas after. Every rank of a stage (4 ranks, 8 for 3-D and HSDP) reports its replayed
+    busy time, collective by collective."""
     layout, env = {}, {}
+    if inner == "hsdp":
+        layout.update(replicate=2)
+        env["PP_REPLICATE"] = "2"
+        inner = "fsdp"
     if "tp" in inner:
         layout.update(tp=2, tp_plan=TP_PLAN)
         env["PP_TP"] = "2"
@@ -551,10 +556,12 @@ def test_pipeline_with_tp_or_fsdp_equals_a_real_run(traced, inner):
             assert alone.flops / 2 <= inside.flops < alone.flops
             assert len(inside.collectives) > len(alone.collectives)
         else:
-            # FSDP computes what PP alone does, plus one gather and one reduce-scatter
+            # FSDP computes what PP alone does, plus one gather and one reduce-scatter (and
+            # HSDP the replicas' all-reduce of the shard)
             assert inside.flops == pytest.approx(alone.flops, rel=1e-12)
             assert sorted(c[0] for c in inside.collectives) == sorted(
-                [c[0] for c in alone.collectives] + ["all_gather", "reduce_scatter"])
+                [c[0] for c in alone.collectives] + ["all_gather", "reduce_scatter"]
+                + ["all_reduce"] * ("replicate" in layout))
 
 
 def test_pipeline_bubble_of_equal_stages_is_the_gpipe_formula():
@@ -722,7 +729,7 @@ def test_sweep_ranks_the_replays_of_every_layout_of_the_devices(traced):
     assert len(seen) == len(rows)
     # (replicate, fsdp, tp, pp); pp=4 would need 4 blocks, the MLP has 2
     assert seen == {(4, 1, 1, 1), (2, 2, 1, 1), (1, 4, 1, 1), (2, 1, 2, 1), (1, 2, 2, 1),
-                    (1, 1, 4, 1), (1, 1, 2, 2), (1, 2, 1, 2)}
+                    (1, 1, 4, 1), (1, 1, 2, 2), (1, 2, 1, 2), (2, 1, 1, 2)}
     for r in rows:
         assert r.replay is not None, r.reason
         again = traced.replay_layout(**r.layout)

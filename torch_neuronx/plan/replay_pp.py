@@ -84,15 +84,17 @@ def _p2p_bytes(trace, unit: str, m: int) -> int:
 
 
 def replay_pp(trace, pp: int, stages, schedule: str, m: int, cfg, nodes: int, tp: int = 1,
-              tp_plan=None, fsdp: int = 1, fsdp_units=None) -> Replay:
+              tp_plan=None, fsdp: int = 1, fsdp_units=None, replicate: int = 1) -> Replay:
     """One Replay per stage (``.stages``); returned: the stage with the longest busy time.
     With ``tp`` > 1, TP inside each stage (a (pp, tp) mesh, TorchTitan's order): a stage's
     ops are its TP rank's (``tp_stream``), each TP collective issued per micro-batch. With
     ``fsdp`` > 1, FSDP2 inside each stage (a (pp, dp) mesh) on ``fsdp_units``, not
     resharded after forward (TorchTitan's default under PP): each unit all-gathered before
     the first micro-batch's forward, its accumulated gradients reduce-scattered after the
-    last one's backward, the gradient scaling and the optimizer on the shards. Both: 3-D on
-    a (pp, dp, tp) mesh, FSDP over the TP-local parameters."""
+    last one's backward, the gradient scaling and the optimizer on the shards; with
+    ``replicate`` > 1 HSDP, on a (pp, replicate, shard) mesh (each reduce-scattered shard
+    then all-reduced over the replicas; a shard degree of 1 is FSDP2's replicas). With TP
+    too: on a (pp, [replicate,] dp, tp) mesh, FSDP over the TP-local parameters."""
     from ..cost_model import op_seconds
     from ..distributed.collectives_model import collective_seconds
     from .replay_fsdp import _check_units, _FsdpComm, _FsdpGroups, _forward_order
@@ -100,24 +102,30 @@ def replay_pp(trace, pp: int, stages, schedule: str, m: int, cfg, nodes: int, tp
     if tp > 1 and "sequence" in (tp_plan or {}).values():
         raise ValueError("replay: pp with sequence-parallel tp is not replayed yet (checked "
                          "against real runs: pp with tp)")
-    fsdp_units, covered = _check_units(trace, fsdp, fsdp_units) if fsdp > 1 else ([], set())
+    sharding = fsdp > 1 or replicate > 1
+    if replicate > 1 and not fsdp_units:
+        raise ValueError(f"replay: pp with replicate={replicate} is HSDP inside the stages and "
+                         "needs fsdp_units")
+    fsdp_units, covered = (_check_units(trace, fsdp, fsdp_units) if sharding
+                           else ([], set()))
     # each stage shards its own modules
     unit_stage = {u: stage_of(u, units, f"fsdp unit {u!r}") for u in fsdp_units}
     p, lnc = cfg
     # a p2p goes through the pipeline group: the backend charges it as the group's (its
-    # price is one link's, over EFA when the group spans nodes); the mesh is (pp, dp, tp),
-    # so a TP group spans ceil(nodes / (pp x dp)) nodes, an FSDP group one rank on each of
-    # min(dp, ceil(nodes / pp)), a pipeline group one on each of min(pp, nodes)
+    # price is one link's, over EFA when the group spans nodes); the mesh is (pp, replicate,
+    # dp, tp), so a TP group spans ceil(nodes / (pp x replicate x dp)) nodes, an FSDP group
+    # one rank on each of min(dp, ceil(nodes / (pp x replicate))), a replica group one on
+    # each of min(replicate, ceil(nodes / pp)), a pipeline group one on each of min(pp, nodes)
     p2p = lambda op, nbytes: collective_seconds(  # noqa: E731
         op, nbytes, pp, min(pp, nodes), p, lnc)
-    tp_nodes = -(-nodes // (pp * fsdp))
+    tp_nodes = -(-nodes // (pp * replicate * fsdp))
     link = [_p2p_bytes(trace, names[-1], m) for names in units[:-1]]
     params = {f: (_tp_local_shape(f, shape, tp_plan, tp) if tp > 1 else shape, dtype)
               for f, (shape, dtype) in trace.params.items()}
-    fsdp_comm = (_FsdpComm(trace, fsdp_units, params,
-                           _FsdpGroups(fsdp, min(fsdp, -(-nodes // pp)), 1, 1), cfg, None)
-                 if fsdp > 1 else None)
-    fsdp_order = _forward_order(trace, fsdp_units) if fsdp > 1 else []
+    groups = _FsdpGroups(fsdp, min(fsdp, -(-nodes // (pp * replicate))), replicate,
+                         min(replicate, -(-nodes // pp)))
+    fsdp_comm = _FsdpComm(trace, fsdp_units, params, groups, cfg, None) if sharding else None
+    fsdp_order = _forward_order(trace, fsdp_units) if sharding else []
     # the parameters a rank steps and scales: FSDP's shards of its units' parameters
     held = {f: (_shard_shape(shape, fsdp) if f in covered else shape, dtype)
             for f, (shape, dtype) in params.items()}
@@ -126,7 +134,8 @@ def replay_pp(trace, pp: int, stages, schedule: str, m: int, cfg, nodes: int, tp
     work = list(tp_stream(trace, tp, tp_plan, cfg)) if tp > 1 else [("op", o) for o in trace.ops]
     out = []
     for s, names in enumerate(units):
-        r = Replay(f"pp={pp}" + (f" fsdp={fsdp}" if fsdp > 1 else "")
+        r = Replay(f"pp={pp}" + (f" replicate={replicate}" if replicate > 1 else "")
+                   + (f" fsdp={fsdp}" if fsdp > 1 else "")
                    + (f" tp={tp}" if tp > 1 else "")
                    + f" {schedule} microbatches={m} stage={s}")
         owned = {f for f in trace.params if any(f.startswith(u + ".") for u in names)}

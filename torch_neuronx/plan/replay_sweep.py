@@ -52,7 +52,7 @@ def layouts(trace, devices: int, tp_plan=None, fsdp_units=None, pp_blocks=None) 
     """``replay_layout`` arguments of every (replicas x shards) x tp x pp = ``devices``
     the plans allow: tp with ``tp_plan``, pp with ``pp_blocks`` (the blocks in order, split
     evenly into the stages, 1F1B), data parallelism with ``fsdp_units`` (FSDP2 over the
-    replicas, HSDP, or FSDP2's replicas; under pp FSDP only, as TorchTitan runs it)."""
+    replicas, HSDP, or FSDP2's replicas; under pp inside the stages)."""
     out = []
     for tp in _divisors(devices) if tp_plan else [1]:
         for pp in _divisors(devices // tp) if pp_blocks else [1]:
@@ -61,7 +61,7 @@ def layouts(trace, devices: int, tp_plan=None, fsdp_units=None, pp_blocks=None) 
                 continue
             if pp > 1 and len(pp_blocks) % pp:
                 continue
-            splits = [(1, d)] if pp > 1 or d == 1 else [(r, d // r) for r in _divisors(d)]
+            splits = [(r, d // r) for r in _divisors(d)]
             for replicate, fsdp in splits:
                 kw = {}
                 if replicate > 1:

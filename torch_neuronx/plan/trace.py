@@ -133,11 +133,15 @@ class StepTrace:
         if len(degrees) > 1 and set(degrees) not in ({"fsdp", "replicate"}, {"fsdp", "tp"},
                                                      {"fsdp", "replicate", "tp"},
                                                      {"replicate", "tp"}, {"pp", "tp"},
-                                                     {"pp", "fsdp"}, {"pp", "fsdp", "tp"}):
+                                                     {"pp", "fsdp"}, {"pp", "fsdp", "tp"},
+                                                     {"pp", "replicate"},
+                                                     {"pp", "replicate", "tp"},
+                                                     {"pp", "fsdp", "replicate"},
+                                                     {"pp", "fsdp", "replicate", "tp"}):
             several = " with ".join(f"{k}={v}" for k, v in degrees.items())
             raise ValueError(f"replay_layout: {several} is not replayed yet; replayed: fsdp, "
-                             "tp, dp, pp or ep alone, replicate (with fsdp: HSDP), fsdp and "
-                             "pp, each with or without tp")
+                             "tp, dp, pp or ep alone, replicate (with fsdp: HSDP), fsdp or "
+                             "HSDP with pp, each with or without tp")
         if mp_policy is not None and fsdp == 1 and replicate == 1:
             raise ValueError("replay_layout: mp_policy is FSDP2's MixedPrecisionPolicy and "
                              "needs fsdp > 1")
@@ -166,7 +170,7 @@ class StepTrace:
         elif pp > 1:
             from .replay_pp import replay_pp
             out = replay_pp(self, pp, pp_stages, schedule, microbatches, cfg, nodes, tp,
-                            tp_plan, fsdp, fsdp_units)
+                            tp_plan, fsdp, fsdp_units, replicate)
         elif tp > 1 and fsdp == 1 and replicate == 1:
             out = replay_tp(self, tp, tp_plan, cfg, nodes)
         else:
