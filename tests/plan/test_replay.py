@@ -763,3 +763,29 @@ def test_sweep_keeps_refused_layouts_with_the_reason_and_checks_its_arguments(tr
         traced_attn.sweep(1, 96, tp_plan=step_script.ATTN_PLAN)
     with pytest.raises(ValueError, match="tp_plan, fsdp_units, pp_blocks"):
         traced_attn.sweep(2, 96)
+
+
+def test_tracing_memory_keeps_a_double_backward_unchanged():
+    """The trace's saved-tensor hooks hand autograd back each tensor as saved, and autograd
+    re-attaches its history: a gradient penalty (backward with create_graph, then the
+    backward of the gradient's norm) gives the same parameter gradients traced or not, and
+    the trace sees the saved tensors."""
+    dev = torch.device("neuron", 0)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 1)).to(dev)
+    x0 = torch.randn(4, 8, device=dev)
+
+    def penalty():
+        x = x0.clone().requires_grad_()
+        model(x).sum().backward(create_graph=True)
+        pen = x.grad.square().sum()
+        model.zero_grad(set_to_none=True)
+        pen.backward()
+        return [None if p.grad is None else p.grad.cpu() for p in model.parameters()]
+    plain = penalty()
+    with plan.trace(dev, model) as t:
+        traced = penalty()
+    assert t.saved
+    assert [g is None for g in plain] == [g is None for g in traced] != [True] * 4
+    assert all(torch.equal(a, b) for a, b in zip(plain, traced) if a is not None)

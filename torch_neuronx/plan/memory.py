@@ -13,9 +13,9 @@ trace's module boundaries, in reverse: at each boundary the gradients of the mod
 parameters appear, the tensors saved after it are freed. Beside them the backward holds the
 gradient flowing between ops, counted as two of the largest saved tensors (the op's
 incoming and outgoing gradients; with gradient accumulation also the largest parameter's
-gradient, computed apart before it is added), and the optimizer step its out-of-place results (the
-traced optimizer ops' outputs that are not in place, such as AdamW's square roots, at the
-rank's share of the parameters); FSDP adds its all-gathered units (the unit running and the
+gradient, computed apart before it is added), and the optimizer step its out-of-place
+results (the traced optimizer ops' outputs that are not in place, such as AdamW's square
+roots, at the rank's share of the parameters); FSDP adds its all-gathered units (the unit running and the
 one prefetched), computes a unit's gradients whole until its reduce-scatter, and keeps each
 reduce-scatter's flat input until the next one (``_Unit``).
 """
@@ -31,7 +31,7 @@ from .replay import _is_optimizer
 class Memory:
     """One rank's HBM: the bytes each term holds at most (``parameters``, ``gradients``,
     ``optimizer`` state, ``activations`` saved for the backward, FSDP's ``gathered``
-    parameters and gradients, ``transient``: the gradient flowing between backward ops or
+    parameters with the reduce-scatter input it keeps, ``transient``: the gradient flowing between backward ops or
     the optimizer's out-of-place results, ``other``: inputs and buffers), the step's
     ``peak`` (the walk's maximum, at most their sum) and the logical core's HBM
     ``capacity``."""

@@ -289,15 +289,17 @@ def _tensor_bytes(tensors, dev) -> int:
 
 @contextlib.contextmanager
 def trace(device=None, module: torch.nn.Module | None = None, optimizer=None):
-    """Trace one step on ``device``: totals, collectives, and every op the cost model charged
-    (``StepTrace.ops``). With ``module``, each op also names the innermost submodule of
-    ``module`` it ran under, forward or backward (the op records are drained at every module
-    boundary; the device is not waited for, so the step and its time are unchanged), and the
-    step's memory is recorded: the allocator's peak (its peak statistic is reset at the
-    start), the tensors autograd saves for the backward (seen by a ``saved_tensors_hooks``
-    pair, so a step that differentiates its backward again is not traced), the gradients,
-    and with ``optimizer`` (a ``torch.optim.Optimizer`` over the module's parameters) its
-    per-parameter state, which the memory replay then shards with the parameters."""
+    """Trace one step on ``device``: totals, collectives, every op the cost model charged
+    (``StepTrace.ops``), and the allocator's bytes at the start and its peak in the step
+    (the device's peak statistic is reset when the trace starts). With ``module``, each op
+    also names the innermost submodule of ``module`` it ran under, forward or backward (the
+    op records are drained at every module boundary; the device is not waited for, so the
+    step and its time are unchanged), and the step's memory is recorded: the tensors
+    autograd saves for the backward (seen by a ``saved_tensors_hooks`` pair that keeps
+    them as they are; autograd re-attaches their history, so a double backward is
+    unchanged), the gradients, and with ``optimizer``
+    (a ``torch.optim.Optimizer`` over the module's parameters) its per-parameter state,
+    which the memory replay then shards with the parameters."""
     from .. import cost_model
     from ..cost_model import modelled_time
     from ..distributed import collectives_model
