@@ -99,8 +99,13 @@ def sweep(trace, devices: int, tokens: int, *, tp_plan=None, fsdp_units=None, pp
     ranked = []
     for kw in layouts(trace, devices, tp_plan, fsdp_units, pp_blocks):
         row = Ranked(kw)
-        if kw.get("pp", 1) > 1 and kw["microbatches"] is None:
-            row.reason = f"no micro-batch count of 1F1B divides the batch for pp={kw['pp']}"
+        if kw.get("pp", 1) > 1 and not trace.root_inputs:
+            row.reason = ("pp splits dim 0 of the root's first tensor argument into "
+                          "micro-batches, and the traced root took none (called with keyword "
+                          "arguments only)")
+        elif kw.get("pp", 1) > 1 and kw["microbatches"] is None:
+            row.reason = (f"no micro-batch count m >= max(pp, 3 (pp - 1)) divides the batch "
+                          f"of {trace.root_inputs[0][0][0]} for pp={kw['pp']}")
         else:
             try:
                 r = trace.replay_layout(**kw, nodes=nodes, profile=profile, lnc=lnc)
