@@ -166,6 +166,14 @@ ATTN_PLAN = {f"blocks.{i}.{name}": style for i in range(BLOCKS)
                                  ("feed_forward.fc1", "colwise"), ("feed_forward.fc2", "rowwise"))}
 
 
+def _llama():
+    """A tiny Transformers Llama (GQA, rotary, RMSNorm), random weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=BLOCKS,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
+
+
 def _gpt_batch(g):
     return torch.randint(0, GPT_CONFIG.vocab_size, (GPT_BATCH, GPT_CONFIG.block_size), generator=g)
 
@@ -210,6 +218,11 @@ MODELS = {
                          {**ATTN_PLAN, **{f"blocks.{i}.{n}": "sequence" for i in range(BLOCKS)
                                           for n in ("attention_norm", "feed_forward.norm")}},
                          [f"blocks.{i}" for i in range(BLOCKS)] + [""]),
+    # Transformers' Llama as users call it (keyword arguments, its own loss), FSDP2 on its
+    # decoder layers and the root
+    "llama": Workload(_llama, lambda g: torch.randint(0, 512, (2, 64), generator=g),
+                      lambda m, x: m(input_ids=x, labels=x).loss, None,
+                      [f"model.layers.{i}" for i in range(BLOCKS)] + [""]),
     # FSDP only: a tensor-parallel GPT needs a head-aware plan for its fused qkv projection,
     # and an optimizer over DTensor and plain parameters at once is refused by DTensor.
     "gpt": Workload(lambda: GPT(GPT_CONFIG), _gpt_batch, lambda m, x: m(x, x)[1], None,

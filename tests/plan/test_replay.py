@@ -26,6 +26,8 @@ _MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
 CASES = {"mlp-fsdp": ("mlp", dict(fsdp=2, fsdp_units=MLP.fsdp_units)),
          "mlp-tp": ("mlp", dict(tp=2, tp_plan=MLP.tp_plan)),
          "gpt-fsdp": ("gpt", dict(fsdp=2, fsdp_units=GPT.fsdp_units)),
+         # a Transformers LlamaForCausalLM, called with keyword arguments
+         "llama-fsdp": ("llama", dict(fsdp=2, fsdp_units=step_script.MODELS["llama"].fsdp_units)),
          # attention's square projections, the heads split between q/k/v and the output
          "attn-tp": ("attn", dict(tp=2, tp_plan=step_script.ATTN_PLAN)),
          # as many tokens as the projections are wide: gradients of the same shapes
@@ -89,7 +91,8 @@ def test_replay_equals_a_real_2_rank_run(real, case):
     """A step traced on one device, replayed for FSDP=2 (fully_shard per block and the root)
     or TP=2 (Megatron colwise/rowwise plan), equals the modelled time each rank of a real
     2-rank run reports, collective by collective: an MLP of two blocks under both, the demo
-    GPT (two layers, the root holding the embeddings and the tied head) under FSDP,
+    GPT (two layers, the root holding the embeddings and the tied head) and a Transformers
+    Llama (called with keyword arguments; GQA, rotary, RMSNorm) under FSDP,
     TorchTitan-style attention blocks under TP=2 (square q/k/v/o projections split by the
     role of each dim in their matmuls, flash attention on half the heads; also with as many
     tokens as the projections are wide, when a Linear's two gradients have the same shapes;

@@ -27,13 +27,13 @@ from .replay import (Replay, _is_optimizer, _local_bytes, _local_charge, _optimi
 _STYLES = ("colwise", "rowwise", "sequence")
 
 
-def _heads_of(o, s: tuple, sizes: frozenset) -> list:
-    """The dims of shape ``s`` (an operand of ``o``, in a region of split ``sizes``) that
+def _heads_of(name: str, s: tuple, sizes: frozenset) -> list:
+    """The dims of shape ``s`` (an operand of op ``name``, in a region of split ``sizes``) that
     are attention heads by their own: dim 1 of flash attention's (batch, heads, tokens,
     head_dim) operands, or a dim other than the last (in a 4-D shape dim 1 or 2) whose
     product with the last (the head dim) is a split size, as attention's (batch, heads,
     tokens, head_dim) or (batch, tokens, heads, head_dim)."""
-    if o.charge.name.startswith("_scaled_dot_product") and len(s) == 4:
+    if name.startswith("_scaled_dot_product") and len(s) == 4:
         return [1]
     if len(s) < 3:
         return []
@@ -50,31 +50,31 @@ def _region_heads(ops) -> dict:
     for o, sizes in ops:
         for s in o.charge.shapes or ():
             if not any(d in sizes for d in s):
-                heads.setdefault(sizes, set()).update(s[i] for i in _heads_of(o, s, sizes))
+                heads.setdefault(sizes, set()).update(s[i] for i in _heads_of(o.charge.name, s, sizes))
     return heads
 
 
-def _region_shape(o, s: tuple, sizes: frozenset, n: int, heads: set,
+def _region_shape(name: str, module, s: tuple, sizes: frozenset, n: int, heads: set,
                   anywhere: bool = True) -> tuple:
-    """Shape ``s`` (an operand of ``o``, between a column- and a row-parallel Linear) on one
-    rank. A 4-D shape is split on its heads (``_heads_of``, or else a dim 1 or 2 equal to a
-    head count such regions show, ``heads``: rotary halves, scores), as attention lays it
-    out; another shape, or a 4-D one without heads, on its last dim when that is a split
-    size (its features: a sequence as long as a projection is wide stays whole), or else
-    (``anywhere``) on every dim equal to a split size. Unchanged when none applies."""
-    found = _heads_of(o, s, sizes) if len(s) == 4 else []
+    """Shape ``s`` (an operand of op ``name`` in ``module``, between a column- and a
+    row-parallel Linear) on one rank. A 4-D shape is split on its heads (``_heads_of``, or
+    else a dim 1 or 2 equal to a head count such regions show, ``heads``: rotary halves,
+    scores), as attention lays it out; another shape, or a 4-D one without heads, on its
+    last dim when that is a split size (its features: a sequence as long as a projection is
+    wide stays whole), or else (``anywhere``) on every dim equal to a split size. Unchanged
+    when none applies."""
+    found = _heads_of(name, s, sizes) if len(s) == 4 else []
     if not found and len(s) == 4:
         found = [i for i in (1, 2) if s[i] in heads]
     if len(found) > 1:
-        raise ValueError(f"replay: {o.charge.name} {list(o.charge.shapes)} in the "
-                         f"tensor-parallel region of module {o.module!r}: dims "
-                         f"{found} of {s} could each be the heads of a split size "
+        raise ValueError(f"replay: {name} {list(s)} in the tensor-parallel region of module "
+                         f"{module!r}: dims {found} could each be the heads of a split size "
                          f"{sorted(sizes)}; the replay cannot tell which tp splits")
     for i in found:
         if s[i] % n:
             raise ValueError(f"replay: tp={n} does not divide the {s[i]} heads (dim {i} of "
-                             f"{s}) of {o.charge.name} in the tensor-parallel region of "
-                             f"module {o.module!r}")
+                             f"{s}) of {name} in the tensor-parallel region of module "
+                             f"{module!r}")
     if not found and s and s[-1] in sizes:
         found = [len(s) - 1]
     elif not found and anywhere:
@@ -89,7 +89,7 @@ def _region_shapes(o, sizes: frozenset, n: int, heads: set) -> tuple:
     _priced(o)
     shapes = tuple(o.charge.shapes)
     big = max(shapes, key=len, default=())
-    split = _region_shape(o, big, sizes, n, heads)
+    split = _region_shape(o.charge.name, o.module, big, sizes, n, heads)
     new = []
     for s in shapes:
         lead = len(big) - len(s)
@@ -98,7 +98,7 @@ def _region_shapes(o, sizes: frozenset, n: int, heads: set) -> tuple:
             # head_dim) against (batch, heads, sequence, head_dim)): split where it is
             new.append(tuple(split[lead + j] if d != 1 else 1 for j, d in enumerate(s)))
         else:
-            new.append(_region_shape(o, s, sizes, n, heads))
+            new.append(_region_shape(o.charge.name, o.module, s, sizes, n, heads))
     new = tuple(new)
     if new == tuple(o.charge.shapes) and any(math.prod(s) > 1 for s in new):
         raise ValueError(f"replay: {o.charge.name} {list(o.charge.shapes)} ran in the "
@@ -414,16 +414,6 @@ def tp_stream(trace, tp: int, tp_plan: dict, cfg):
                     yield "comm", (what, o.module, nbytes, c.dtype)
 
 
-class _Saved:
-    """A saved tensor where ``_region_shape`` expects an op: named, in its module."""
-    def __init__(self, module):
-        self.module = module
-        self.charge = self
-
-    name = "saved tensor"
-    shapes = ()
-
-
 def tp_saved(trace, tp: int, tp_plan: dict) -> list:
     """The bytes a TP rank holds of each tensor the traced step saved for the backward
     (``trace.saved``): one saved in a tensor-parallel region (the region in force at the op
@@ -458,8 +448,8 @@ def tp_saved(trace, tp: int, tp_plan: dict) -> list:
             try:
                 # features or heads only: a saved operand of lower rank (a rotary table)
                 # is not seen beside the operand it broadcast against
-                local = _region_shape(_Saved(t.module), s, sizes, tp, heads.get(sizes, set()),
-                                      anywhere=False)
+                local = _region_shape("a saved tensor", t.module, s, sizes, tp,
+                                      heads.get(sizes, set()), anywhere=False)
             except ValueError:   # heads the rules cannot tell apart: counted whole
                 local = s
         out.append(t.nbytes * math.prod(local) // max(1, math.prod(s)))
