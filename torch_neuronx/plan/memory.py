@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .replay import _is_optimizer
+from .replay import _is_optimizer, _within
 
 
 @dataclass
@@ -232,7 +232,7 @@ def layout_memory(trace, cfg, *, fsdp=1, fsdp_units=None, replicate=1, tp=1, tp_
 
     out = []
     for s, stage in enumerate(stages):
-        mine = {f: n for f, n in local.items() if any(f.startswith(u + ".") for u in stage)}
+        mine = {f: n for f, n in local.items() if _within(_module_of(f), stage)}
         # the loss (outside the model) on the last stage
         held = [b if (stage_of(t.module, stages, "a tensor saved for the backward in {where}")
                       if t.module is not None else pp - 1) == s else 0
@@ -256,9 +256,7 @@ def ep_memory(trace, cfg, experts: list, ep: int) -> list:
     per = len(experts) // ep
 
     def expert_of(name):
-        return next((e for e in experts if name is not None and (name == e or
-                                                                 name.startswith(e + "."))),
-                    None)
+        return next((e for e in experts if name is not None and _within(name, [e])), None)
     # outside the experts a storage counts once; an expert's input is its rows of the tokens
     # sorted by expert (one storage in the trace, each rank's received chunks under ep):
     # what an expert saves counts as its own view, once per expert

@@ -85,6 +85,11 @@ def _is_optimizer(name: str) -> bool:
     return name.startswith("_foreach_") or name.startswith("_fused_")
 
 
+def _within(module: str, names) -> bool:
+    """Whether ``module`` is one of ``names`` or inside one."""
+    return any(module == n or module.startswith(n + ".") for n in names)
+
+
 def _shard_shape(shape, n: int) -> tuple:
     """Rank 0's shard of a parameter (FSDP2: dim 0 in chunks of ceil(dim0 / n) rows; a
     scalar whole)."""

@@ -23,15 +23,10 @@ from __future__ import annotations
 import math
 
 from .replay import (Replay, _is_optimizer, _local_bytes, _optimizer_op, _root_dim0,
-                     _shard_shape, _split_op)
+                     _shard_shape, _split_op, _within)
 from .replay_tp import _tp_comm, _tp_local_shape, tp_stream
 
 SCHEDULES = ("gpipe", "1f1b")
-
-
-def _in(module: str, names) -> bool:
-    """Whether ``module`` is one of ``names`` or inside one."""
-    return any(module == n or module.startswith(n + ".") for n in names)
 
 
 def stage_of(module, units: list, what: str) -> int | None:
@@ -41,7 +36,7 @@ def stage_of(module, units: list, what: str) -> int | None:
     if module is None:
         return None
     for s, names in enumerate(units):
-        if module != "" and _in(module, names):
+        if module != "" and _within(module, names):
             return s
     where = "the root module itself" if module == "" else f"module {module!r}"
     raise ValueError(f"replay: {what.format(where=where)} is in no pipeline stage "

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .replay import _within
+
 
 @dataclass
 class Ranked:
@@ -69,9 +71,8 @@ def layouts(trace, devices: int, tp_plan=None, fsdp_units=None, pp_blocks=None) 
                 if fsdp > 1 or replicate > 1:
                     # under pp each stage shards its own units (not the root, which spans
                     # the stages)
-                    units = fsdp_units if pp == 1 else [
-                        u for u in fsdp_units
-                        if any(u == b or u.startswith(b + ".") for b in pp_blocks)]
+                    units = fsdp_units if pp == 1 else [u for u in fsdp_units
+                                                        if _within(u, pp_blocks)]
                     kw.update(fsdp=fsdp, fsdp_units=units)
                 if tp > 1:
                     kw.update(tp=tp, tp_plan=tp_plan)
