@@ -174,6 +174,12 @@ def _llama():
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
 
 
+def _compiled_blocks(model):
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(block, backend="neuron", fullgraph=True)
+    return model
+
+
 def _gpt_batch(g):
     return torch.randint(0, GPT_CONFIG.vocab_size, (GPT_BATCH, GPT_CONFIG.block_size), generator=g)
 
@@ -223,6 +229,13 @@ MODELS = {
     "llama": Workload(_llama, lambda g: torch.randint(0, 512, (2, 64), generator=g),
                       lambda m, x: m(input_ids=x, labels=x).loss, None,
                       [f"model.layers.{i}" for i in range(BLOCKS)] + [""]),
+    # TorchTitan's per-block compile: each block wrapped by torch.compile (backend "neuron",
+    # one graph per block) before FSDP2 shards it; the compiled graphs are charged to the
+    # blocks, whose wrappers run their hooks eagerly
+    "cmlp": Workload(lambda: _compiled_blocks(MLP()),
+                     lambda g: torch.randn(TOKENS, DIM, generator=g),
+                     lambda m, x: m(x).square().mean(), None,
+                     [f"blocks.{i}" for i in range(BLOCKS)] + [""]),
     # FSDP only: a tensor-parallel GPT needs a head-aware plan for its fused qkv projection,
     # and an optimizer over DTensor and plain parameters at once is refused by DTensor.
     "gpt": Workload(lambda: GPT(GPT_CONFIG), _gpt_batch, lambda m, x: m(x, x)[1], None,

@@ -26,6 +26,8 @@ _MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
 CASES = {"mlp-fsdp": ("mlp", dict(fsdp=2, fsdp_units=MLP.fsdp_units)),
          "mlp-tp": ("mlp", dict(tp=2, tp_plan=MLP.tp_plan)),
          "gpt-fsdp": ("gpt", dict(fsdp=2, fsdp_units=GPT.fsdp_units)),
+         # TorchTitan's per-block compile: each block a torch.compile graph
+         "cmlp-fsdp": ("cmlp", dict(fsdp=2, fsdp_units=step_script.MODELS["cmlp"].fsdp_units)),
          # a Transformers LlamaForCausalLM, called with keyword arguments
          "llama-fsdp": ("llama", dict(fsdp=2, fsdp_units=step_script.MODELS["llama"].fsdp_units)),
          # attention's square projections, the heads split between q/k/v and the output
@@ -91,8 +93,9 @@ def test_replay_equals_a_real_2_rank_run(real, case):
     """A step traced on one device, replayed for FSDP=2 (fully_shard per block and the root)
     or TP=2 (Megatron colwise/rowwise plan), equals the modelled time each rank of a real
     2-rank run reports, collective by collective: an MLP of two blocks under both, the demo
-    GPT (two layers, the root holding the embeddings and the tied head) and a Transformers
-    Llama (called with keyword arguments; GQA, rotary, RMSNorm) under FSDP,
+    GPT (two layers, the root holding the embeddings and the tied head), a Transformers
+    Llama (called with keyword arguments; GQA, rotary, RMSNorm) and the MLP with each block
+    compiled on its own (``torch.compile(block)``, TorchTitan's per-block compile) under FSDP,
     TorchTitan-style attention blocks under TP=2 (square q/k/v/o projections split by the
     role of each dim in their matmuls, flash attention on half the heads; also with as many
     tokens as the projections are wide, when a Linear's two gradients have the same shapes;
@@ -286,8 +289,9 @@ def test_a_profile_is_a_chip_or_its_name(traced):
 
 
 def test_a_compiled_step_is_refused_by_name():
-    """Under torch.compile the modules run inside compiled graphs: their work cannot be
-    attributed to them, so sharded layouts refuse the trace, naming the module."""
+    """A whole model under torch.compile runs its blocks inside one graph: their work cannot
+    be attributed to them, so layouts naming them refuse the trace, naming the module and
+    the way out (per-block compile or an eager trace)."""
     dev = torch.device("neuron", 0)
     torch.manual_seed(0)
     model = step_script.MLP().to(dev)
@@ -297,11 +301,43 @@ def test_a_compiled_step_is_refused_by_name():
     with plan.trace(dev, model) as t:
         compiled(x).square().mean().backward()
     with pytest.raises(ValueError, match=r"tp_plan names 'blocks.0.fc1', which ran no forward "
-                                         r"in the traced step \(under torch.compile"):
+                                         r"in the traced step \(a module called inside a torch.compile"):
         t.replay_layout(tp=2, tp_plan=TP_PLAN)
-    with pytest.raises(ValueError, match=r"fsdp unit 'blocks.0' ran forward 0 times .* \(under "
-                                         r"torch.compile"):
+    with pytest.raises(ValueError, match=r"fsdp unit 'blocks.0' ran forward 0 times .* "
+                                         r"compile each unit on its own"):
         t.replay_layout(fsdp=2, fsdp_units=FSDP_UNITS)
+
+
+def test_compiled_blocks_are_charged_to_their_blocks():
+    """``torch.compile(block)``'s wrapper runs its hooks eagerly, so each block's forward and
+    backward graphs are charged to it (FSDP replays them: exact against a real run in
+    test_replay_equals_a_real_2_rank_run); layouts that re-price ops at sharded or
+    micro-batch shapes refuse a graph, naming it and why."""
+    t = _trace("cmlp")
+    eager = _trace("mlp")
+    graphs = [(o.module, o.backward) for o in t.ops if o.charge.name == "compiled_graph"]
+    assert sorted(graphs) == [("blocks.0", False), ("blocks.0", True),
+                              ("blocks.1", False), ("blocks.1", True)]
+    assert t.forward_calls["blocks.0"] == 1 and t.forward_calls["blocks.0._orig_mod.fc1"] == 0
+    # the same FLOPs as the eager step, in fewer launches
+    assert t.flops == pytest.approx(eager.flops, rel=1e-9)
+    assert t.launches < eager.launches
+    units = step_script.MODELS["cmlp"].fsdp_units
+    with pytest.raises(ValueError, match=r"a torch.compile graph ran in module 'blocks.0', "
+                                         r"which this layout shards or splits into "
+                                         r"micro-batches"):
+        t.replay_layout(pp=2, pp_stages=[["blocks.0"], ["blocks.1"]], microbatches=2)
+    with pytest.raises(ValueError, match=r"tp_plan names 'blocks.0._orig_mod.fc1', which ran "
+                                         r"no forward .* tensor parallelism re-prices"):
+        t.replay_layout(tp=2, tp_plan={"blocks.0._orig_mod.fc1": "colwise",
+                                       "blocks.0._orig_mod.fc2": "rowwise"})
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    with pytest.raises(ValueError, match=r"compiled_graph in module 'blocks.0' was not priced "
+                                         r"from shapes"):
+        t.replay_layout(fsdp=2, fsdp_units=units,
+                        mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    rows = t.sweep(4, step_script.TOKENS, fsdp_units=units)
+    assert all(r.replay is not None for r in rows), [r.reason for r in rows]
 
 
 def test_a_trace_without_its_module_cannot_be_replayed():

@@ -194,6 +194,11 @@ def _priced(o):
         raise ValueError(f"replay: an Adaptive Eager fused kernel ran in sharded module "
                          f"{o.module!r} (or between a column- and a row-parallel Linear); "
                          f"trace with torch_neuronx.set_adaptive_eager(False) to replay it")
+    if c.name == "compiled_graph":
+        raise ValueError(f"replay: a torch.compile graph ran in module {o.module!r}, which "
+                         f"this layout shards or splits into micro-batches; a graph's cost "
+                         f"is its own kernels', not re-priced from shapes: trace the step "
+                         f"eagerly for this layout (FSDP, HSDP and DP replay compiled blocks)")
     if c.shapes is None:
         raise ValueError(f"replay: {c.name} in sharded module {o.module!r} is not an op the "
                          f"cost model priced from shapes (engine {c.engine}); it cannot be "

@@ -65,6 +65,12 @@ def _mp_op(o, pd, orig, cfg) -> tuple:
     ``pd``: its floating-point bytes scaled by the itemsizes (int64 inputs kept)."""
     from ..cost_model import copy_seconds, recast_bytes
     c = o.charge
+    if c.dtype is None and c.engine in ("fused", "nki"):
+        # a compiled graph or an NKI kernel: its cost is its own kernels', whose dtypes the
+        # charge does not keep, so it would be kept at the traced dtype's cost
+        raise ValueError(f"replay: {c.name} in module {o.module!r} was not priced from shapes "
+                         f"(engine {c.engine}); it cannot be re-priced in {pd} for mp_policy "
+                         f"(trace the step eagerly, or with the parameters in {pd})")
     if c.dtype != orig:
         return c.seconds, c.flops
     if c.name.startswith("copy_"):
@@ -225,9 +231,10 @@ class _FsdpComm:
                 raise ValueError(f"replay: fsdp unit {unit!r} ran forward {calls} times in the "
                                  f"traced step; FSDP2 all-gathers and reshards it per call, "
                                  f"which is replayed for one call only" + (
-                                     " (under torch.compile modules run inside compiled "
-                                     "graphs, whose work cannot be attributed to them: trace "
-                                     "the step eagerly)" if calls == 0 else ""))
+                                     " (a module called inside a torch.compile graph "
+                                     "runs no hooks, its work is the graph's: compile each "
+                                     "unit on its own, torch.compile(block) as TorchTitan "
+                                     "does, or trace the step eagerly)" if calls == 0 else ""))
             dtype = owned[0][1]
             if any(d != dtype for _, d in owned):
                 raise ValueError(f"replay: fsdp unit {unit!r} mixes parameter dtypes; FSDP2 "

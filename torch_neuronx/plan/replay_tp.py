@@ -264,9 +264,10 @@ def _check_plan(tp: int, tp_plan: dict, linears: dict, modules, calls: dict) -> 
                              f"traced module (its Linear modules: {known})")
         if not calls.get(name):
             raise ValueError(f"replay: tp_plan names {name!r}, which ran no forward in the "
-                             f"traced step (under torch.compile modules run inside compiled "
-                             f"graphs, whose work cannot be attributed to them: trace the "
-                             f"step eagerly)")
+                             f"traced step (a module called inside a torch.compile graph runs "
+                             f"no hooks, and tensor parallelism re-prices each op at its "
+                             f"sharded shapes, which a graph's cost is not: trace the step "
+                             f"eagerly)")
         fin, fout = linears[name]
         dim, size = ("out_features", fout) if style == "colwise" else ("in_features", fin)
         if size % tp:

@@ -12,6 +12,7 @@ rank thus predicts the step on N ranks (tests/plan checks it against a real 2-ra
 with the submodule of ``model`` it ran under (``t.ops``), and ``t.replay_layout(fsdp=N, ...)``
 / ``t.replay_layout(tp=N, ...)`` / ``t.replay_layout(pp=N, ...)`` / ``t.replay_layout(ep=N, ...)`` replays a single-device step
 under FSDP2, tensor, pipeline or expert parallelism (``plan/replay*.py``; tests/plan/test_replay.py checks it against real runs).
+Blocks compiled one by one (``torch.compile(block)``) have their graphs charged to them.
 """
 from __future__ import annotations
 
@@ -226,21 +227,27 @@ def _tracker(flush, moved, root, calls: dict, root_inputs: list, outputs: dict, 
 
     class _Tracker(ModTracker):
         def _fw_pre_hook(self, mod, input):
+            if _inside_compiled():
+                return None
             calls[mod] = calls.get(mod, 0) + 1
             if mod is root and calls[mod] == 1:
                 root_inputs.extend((tuple(a.shape), a.dtype) for a in input
                                    if isinstance(a, torch.Tensor))
-            out = super()._fw_pre_hook(mod, input)
+            with _eager_call():
+                out = super()._fw_pre_hook(mod, input)
             if first is not None and calls[mod] == 1:
                 first(mod, input)
             return out
 
         def _fw_post_hook(self, mod, input, output):
+            if _inside_compiled():
+                return None
             if mod not in outputs:
                 leaves = torch.utils._pytree.tree_leaves(output)
                 outputs[mod] = [(tuple(a.shape), a.dtype) for a in leaves
                                 if isinstance(a, torch.Tensor)]
-            return super()._fw_post_hook(mod, input, output)
+            with _eager_call():
+                return super()._fw_post_hook(mod, input, output)
 
         def _get_append_fn(self, w_mod, name, is_bw):
             return _around(super()._get_append_fn(w_mod, name, is_bw))
@@ -259,6 +266,27 @@ def _tracker(flush, moved, root, calls: dict, root_inputs: list, outputs: dict, 
     t = _Tracker()
     t._get_mod_name(root)   # names every submodule "<RootType>.<fqn>" up front
     return t
+
+
+def _inside_compiled() -> bool:
+    # A module called inside a compiled region (its hook traced by Dynamo, so it never runs):
+    # its work is the compiled graph's, charged to the nearest module called eagerly.
+    return torch.compiler.is_compiling()
+
+
+@contextlib.contextmanager
+def _eager_call():
+    """ModTracker skips every hook under ``torch.compile(module)``'s wrapper, the wrapper's
+    own included; but the wrapper's hooks run eagerly around its compiled graphs
+    (TorchTitan's per-block compile), so they are module boundaries like any other: the
+    compiled block's forward and backward graphs are charged to it."""
+    frame = torch._dynamo.eval_frame
+    was = frame._in_optimized_module
+    frame._in_optimized_module = False
+    try:
+        yield
+    finally:
+        frame._in_optimized_module = was
 
 
 def _innermost(parents, root_name: str):
