@@ -222,6 +222,9 @@ _listeners: list = []
 # each: plan.trace keeps them per op so a what-if can re-price an op for sharded shapes
 # (kept apart from ``_listeners``, whose 6-tuples the profilers unpack).
 _op_listeners: list = []
+# Callables told of the work ``_add_time`` adds (the op records' work is not here), as one
+# ``OpCharge`` each: the Kineto plugin records it as device events of its own.
+_added_listeners: list = []
 
 
 @dataclass(frozen=True)
@@ -244,6 +247,12 @@ class OpCharge:
     bytes_out: int = 0
     flags: int = 0
     epoch: int = -1   # the runtime's timeline epoch (cost_model._timeline); -1 for _add_time
+    # a collective's bytes over the interconnect, its group's ranks and the nodes they span
+    link_bytes: int = 0
+    group_size: int = 0
+    nodes: int = 0
+
+
 _lock = threading.Lock()  # compiled graphs and collectives add from other threads
 
 
@@ -484,12 +493,13 @@ def reset_modelled_time(device=None) -> None:
 
 def _add_time(device: int, name: str, seconds: float, *, engine: str, launches: int = 1,
               hbm_bytes: int = 0, link_bytes: int = 0, flops: float = 0.0, shapes=None,
-              dtype=None, bytes_in: int = 0, bytes_out: int = 0) -> None:
+              dtype=None, bytes_in: int = 0, bytes_out: int = 0, group_size: int = 0,
+              nodes: int = 0) -> None:
     """Add work that the op records cannot see: fused kernels of compiled graphs (engine
     "fused"), NKI kernels ("nki", from the simulator's engine timeline), collectives
-    ("collective", bytes over the interconnect) and calls charged as a library kernel
-    (``shapes``, ``dtype``, ``bytes_in``/``bytes_out``: what ``op_seconds`` priced, if it
-    did)."""
+    ("collective", ``link_bytes`` over the interconnect among ``group_size`` ranks on
+    ``nodes`` nodes) and calls charged as a library kernel (``shapes``, ``dtype``,
+    ``bytes_in``/``bytes_out``: what ``op_seconds`` priced, if it did)."""
     if type(device) is not int:
         from .neuron import _index
         device = _index(device)
@@ -504,8 +514,11 @@ def _add_time(device: int, name: str, seconds: float, *, engine: str, launches: 
         t.by_engine[engine] += seconds
         for listen in _listeners:
             listen((device, 0, name, engine, seconds, launches))
-        if _op_listeners:
+        if _op_listeners or _added_listeners:
             charge = OpCharge(device, 0, name, engine, seconds, launches, flops, hbm_bytes,
-                              shapes, dtype, bytes_in, bytes_out)
+                              shapes, dtype, bytes_in, bytes_out, link_bytes=link_bytes,
+                              group_size=group_size, nodes=nodes)
             for listen in _op_listeners:
+                listen(charge)
+            for listen in _added_listeners:
                 listen(charge)

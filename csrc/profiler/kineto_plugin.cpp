@@ -55,13 +55,19 @@ PyObject* py_add(PyObject*, PyObject* args) {
   int device;
   const char *name, *engine;
   double seconds;
-  long long launches;
-  if (!PyArg_ParseTuple(args, "issdL", &device, &name, &engine, &seconds, &launches)) return nullptr;
-  trace::add(device, name, engine, seconds, launches);
+  long long launches, hbm_bytes, link_bytes;
+  double flops;
+  int group_size, nodes;
+  if (!PyArg_ParseTuple(args, "issdLdLLii", &device, &name, &engine, &seconds, &launches, &flops,
+                        &hbm_bytes, &link_bytes, &group_size, &nodes))
+    return nullptr;
+  trace::add(device, name, engine, seconds, launches, flops, hbm_bytes, link_bytes, group_size,
+             nodes);
   Py_RETURN_NONE;
 }
 PyMethodDef g_add_def = {"trace_added", py_add, METH_VARARGS,
-                         "(device, name, engine, seconds, launches): work only Python sees"};
+                         "(device, name, engine, seconds, launches, flops, hbm_bytes, link_bytes, "
+                         "group_size, nodes): work only Python sees"};
 
 // The cost model's view of one launch.
 struct Cost {
@@ -69,6 +75,8 @@ struct Cost {
   std::string engine = "unknown";
   double flops = 0;
   int64_t hbm_bytes = 0;
+  int64_t link_bytes = 0;             // collectives only (group_size > 0)
+  int32_t group_size = 0, nodes = 0;
 };
 
 class Session final : public libkineto::IActivityProfilerSession {
@@ -136,6 +144,11 @@ class Session final : public libkineto::IActivityProfilerSession {
       k.addMetadata("flops", static_cast<int64_t>(c.flops));
       k.addMetadata("hbm_bytes", c.hbm_bytes);
       k.addMetadataQuoted("launch", kind);
+      if (c.group_size > 0) {
+        k.addMetadata("link_bytes", c.link_bytes);
+        k.addMetadata("group_size", c.group_size);
+        k.addMetadata("nodes", c.nodes);
+      }
       streams_.insert({device, stream});
       logger.handleActivity(rt);
       logger.handleActivity(k);
@@ -160,6 +173,11 @@ class Session final : public libkineto::IActivityProfilerSession {
       Cost c;
       c.seconds = a.seconds;
       c.engine = a.engine;
+      c.flops = a.flops;
+      c.hbm_bytes = a.hbm_bytes;
+      c.link_bytes = a.link_bytes;
+      c.group_size = a.group_size;
+      c.nodes = a.nodes;
       emit(json_safe(a.name), a.device, 0, a.thread, a.correlation, a.start_ns, a.start_ns, a.end_ns, c,
            "python");
     }

@@ -171,7 +171,8 @@ void on_run(const Launch& l, int64_t start_ns, int64_t end_ns) {
   g_last_end[e.device & 63].store(end_ns, std::memory_order_relaxed);
 }
 
-void add(int32_t device, std::string name, std::string engine, double seconds, int64_t launches) {
+void add(int32_t device, std::string name, std::string engine, double seconds, int64_t launches,
+         double flops, int64_t hbm_bytes, int64_t link_bytes, int32_t group_size, int32_t nodes) {
   auto& st = state();
   Corr c = current(st);
   AddedEntry a;
@@ -180,6 +181,11 @@ void add(int32_t device, std::string name, std::string engine, double seconds, i
   a.device = device;
   a.seconds = seconds;
   a.launches = launches;
+  a.flops = flops;
+  a.hbm_bytes = hbm_bytes;
+  a.link_bytes = link_bytes;
+  a.group_size = group_size;
+  a.nodes = nodes;
   a.correlation = c.id;
   a.end_ns = now_ns();
   // The Python kernel ran inside the op that charges its time; a compiled graph's modelled

@@ -43,6 +43,11 @@ struct AddedEntry {
   uint64_t correlation = 0;
   int64_t start_ns = 0, end_ns = 0;
   int32_t thread = 0;
+  double flops = 0;
+  int64_t hbm_bytes = 0;
+  // collectives: the bytes over the interconnect, the group's ranks and the nodes they span
+  int64_t link_bytes = 0;
+  int32_t group_size = 0, nodes = 0;
 };
 
 struct Buffers {
@@ -58,6 +63,7 @@ Buffers take();
 // torch.profiler's correlation id of the op running on this thread (Kineto pushes and pops it).
 void push_correlation(uint64_t id);
 void pop_correlation();
-void add(int32_t device, std::string name, std::string engine, double seconds, int64_t launches);
+void add(int32_t device, std::string name, std::string engine, double seconds, int64_t launches,
+         double flops, int64_t hbm_bytes, int64_t link_bytes, int32_t group_size, int32_t nodes);
 
 }  // namespace neuron::trace

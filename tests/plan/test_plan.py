@@ -187,3 +187,42 @@ def test_data_parallel_what_if_equals_a_real_run(world):
     for r in real:
         assert [c[1] for c in r["collectives"]] == [c[1] for c in one["collectives"]]
         assert r["seconds"] == pytest.approx(predicted, rel=1e-6)
+    # the same step profiled (torch.profiler, NeuronProfiler's Parquet export) and read back
+    # with StepTrace.from_profile: the traced totals (modelled_ns rounds each event to 1 ns)
+    # and collectives, so the same what-if
+    p = one["profile"]
+    assert p["collectives"] == [[c[0], c[1], c[2], c[3], pytest.approx(c[4], abs=1e-9)]
+                                for c in one["collectives"]]
+    for key in ("flops", "hbm_bytes", "link_bytes", "launches"):
+        assert p[key] == one[key], key
+    assert p["seconds"] == pytest.approx(one["seconds"], rel=1e-6)
+    assert p["replay4"] == pytest.approx(one["replay4"], rel=1e-6)
+    assert p["layout4"] == pytest.approx(one["layout4"], rel=1e-6)
+    for r in real:
+        assert r["seconds"] == pytest.approx(p[f"replay{world}"], rel=1e-6)
+
+
+def test_a_profile_without_the_kineto_plugin_is_refused(tmp_path):
+    """``StepTrace.from_profile`` needs the Kineto plugin's rows (what the cost model charged
+    per kernel, collectives with their groups): a profile of the CPU activity alone says so;
+    a device left out of the capture too."""
+    from torch.profiler import ProfilerActivity
+    from torch_neuronx.profiling import NeuronConfig, NeuronProfiler
+    x = torch.ones(64, 64, device="neuron")
+    for activities, name in (([ProfilerActivity.CPU], "cpu"),
+                             ([ProfilerActivity.CPU, ProfilerActivity.PrivateUse1], "both")):
+        cfg = NeuronConfig(profile_output_dir=str(tmp_path / name))
+        handler = NeuronProfiler(cfg)
+        with torch.profiler.profile(activities=activities, experimental_config=cfg,
+                                    on_trace_ready=handler.export_trace):
+            (x @ x).sum().item()
+        handler.close()
+    with pytest.raises(ValueError, match=r"profiled without the Kineto plugin "
+                                         r"\(hardware_source='cost_model'\); profile the step "
+                                         r"with activities=\[ProfilerActivity.CPU, "
+                                         r"ProfilerActivity.PrivateUse1\]"):
+        plan.StepTrace.from_profile(tmp_path / "cpu" / "trace_0")
+    t = plan.StepTrace.from_profile(tmp_path / "both" / "trace_0")
+    assert t.flops == 2 * 64 ** 3 and not t.collectives and t.seconds > 0
+    with pytest.raises(ValueError, match=r"no hardware events of device 1"):
+        plan.StepTrace.from_profile(tmp_path / "both" / "trace_0", device=1)

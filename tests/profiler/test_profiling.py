@@ -85,9 +85,9 @@ def test_parquet_schema_is_stable(tmp_path):
     digest = hashlib.sha256(repr([(t, [(c, str(ty)) for c, ty, _ in f]) for t, f in SCHEMA.items()])
                             .encode()).hexdigest()[:16]
     # Changing a column changes the digest: bump PROFILE_SCHEMA_VERSION with it.
-    assert (PROFILE_SCHEMA_VERSION, digest) == ("1.6.0", "2fc93ff0e5d703b9")
+    assert (PROFILE_SCHEMA_VERSION, digest) == ("1.7.0", "dc1cb90d5b231def")
     meta = dict(pq.read_table(os.path.join(path, "Metadata.parquet")).to_pandas().values)
-    assert meta["profile_schema_version"] == "1.6.0"
+    assert meta["profile_schema_version"] == "1.7.0"
     fields = pq.read_table(os.path.join(path, "SchemaFields.parquet")).to_pandas()
     ev = pq.read_table(os.path.join(path, "SystemProfileEvents.parquet"))
     assert list(fields[fields.table == "SystemProfileEvents"].column) == ev.schema.names

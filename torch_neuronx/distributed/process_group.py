@@ -156,7 +156,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             if len(self._modelled) < 4096:
                 self._modelled[(op, nbytes)] = cached
         _add_time()(self._device_index, cached[0], cached[1], engine="collective",
-                    link_bytes=nbytes)
+                    link_bytes=nbytes, group_size=self.size(), nodes=self._nodes)
         for listen in collectives_model.listeners:
             listen(self._device_index, op, nbytes, self.size(), self._nodes, cached[1])
 

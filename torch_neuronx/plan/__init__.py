@@ -14,8 +14,9 @@ from .layout import Layout
 from .replay import Replay
 from .serve import ServeEstimate, serving
 from .sweep import layouts, sweep
-from .trace import trace
+from .trace import StepTrace, trace
 from .workload import PRESETS, TransformerConfig
 
 __all__ = ["INSTANCES", "Cluster", "cluster", "Estimate", "training_step", "Layout", "Replay",
-           "ServeEstimate", "serving", "layouts", "sweep", "trace", "PRESETS", "TransformerConfig"]
+           "ServeEstimate", "serving", "layouts", "sweep", "StepTrace", "trace", "PRESETS",
+           "TransformerConfig"]

@@ -81,6 +81,49 @@ class StepTrace:
     optimizer_bytes: dict = field(default_factory=dict)
     first_op: dict = field(default_factory=dict)
 
+    @classmethod
+    def from_profile(cls, path, device: int = 0) -> "StepTrace":
+        """The step a ``NeuronProfiler`` export holds (``path``: its ``trace_<n>`` Parquet
+        directory), as device ``device``'s hardware rows give it: modelled seconds, FLOPs,
+        HBM and link bytes, and every collective with its group. Profile exactly one step,
+        with ``activities=[CPU, PrivateUse1]`` (the Kineto plugin's rows carry what the cost
+        model charged; the cost model's intervals, without it, do not). The trace has no
+        modules: ``replay(N)`` / ``replay_layout(dp=N)`` re-price its collectives, as for
+        ``plan.trace()``; the sharded layouts need ``plan.trace(device, module)``."""
+        import os
+
+        import pyarrow.parquet as pq
+        meta = dict(zip(*pq.read_table(os.path.join(path, "Metadata.parquet"))
+                        .to_pydict().values()))
+        if meta.get("hardware_source") != "kineto":
+            raise ValueError(f"StepTrace.from_profile: {path} was profiled without the Kineto "
+                             f"plugin (hardware_source={meta.get('hardware_source')!r}); "
+                             f"profile the step with activities=[ProfilerActivity.CPU, "
+                             f"ProfilerActivity.PrivateUse1]")
+        if meta.get("profile_schema_version", "0").split(".")[:2] < ["1", "7"]:
+            raise ValueError(f"StepTrace.from_profile: {path} has schema "
+                             f"{meta.get('profile_schema_version')}; collectives' groups are "
+                             f"recorded from 1.7.0 on: profile the step again")
+        ev = pq.read_table(os.path.join(path, "SystemProfileEvents.parquet"),
+                           filters=[("source", "==", "hardware"), ("device", "==", device)],
+                           columns=["name", "engine", "modelled_ns", "flops", "hbm_bytes",
+                                    "link_bytes", "group_size", "nodes", "launches"]).to_pydict()
+        if not ev["name"]:
+            raise ValueError(f"StepTrace.from_profile: {path} has no hardware events of "
+                             f"device {device} (capture_enabled_for_nc left it out?)")
+        out = cls()
+        for name, engine, ns, flops, hbm, link, group, nodes, launches in zip(*ev.values()):
+            out.seconds += ns * 1e-9
+            out.flops += flops
+            # the modelled totals count no HBM traffic for copies (the profile's rows do for
+            # a device-to-device copy)
+            out.hbm_bytes += hbm if engine != "dma" else 0
+            out.link_bytes += link
+            out.launches += launches
+            if engine == "collective":
+                out.collectives.append((name.split("::", 1)[-1], link, group, nodes, ns * 1e-9))
+        return out
+
     def replay(self, group_size: int, nodes: int = 1, profile=None, lnc: int | None = None) -> float:
         """Modelled seconds of the traced step with its collectives over ``group_size`` ranks
         on ``nodes`` nodes (the traced chip and LNC unless given)."""

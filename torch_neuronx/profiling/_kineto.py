@@ -4,8 +4,6 @@ library kernels, compiled graphs' modelled time), which the cost model learns th
 ``cost_model._add_time``. Imports nothing heavy: the plugin imports it at session start."""
 from __future__ import annotations
 
-import sys
-
 from .. import _state, cost_model
 
 _add = None  # the plugin's recorder while a session runs
@@ -14,26 +12,23 @@ _add = None  # the plugin's recorder while a session runs
 def _session_started(add) -> None:
     global _add
     _add = add
-    if _listen not in cost_model._listeners:
-        cost_model._listeners.append(_listen)
+    if _listen not in cost_model._added_listeners:
+        cost_model._added_listeners.append(_listen)
 
 
 def _session_stopped() -> None:
     global _add
     _add = None
-    if _listen in cost_model._listeners:
-        cost_model._listeners.remove(_listen)
+    if _listen in cost_model._added_listeners:
+        cost_model._added_listeners.remove(_listen)
 
 
-def _listen(iv) -> None:
-    # Listeners also hear cost_model._drain replay the op records, which the plugin already
-    # traced launch by launch: only _add_time's intervals are work it has not seen.
-    if sys._getframe(1).f_code is not cost_model._add_time.__code__:
-        return
+def _listen(c) -> None:
+    # Only _add_time's work: the op records' the plugin traces launch by launch.
     add = _add
     if add is not None:
-        device, _stream, name, engine, seconds, launches = iv
-        add(int(device), name, engine, float(seconds), int(launches))
+        add(int(c.device), c.name, c.engine, float(c.seconds), int(c.count), float(c.flops),
+            int(c.hbm_bytes), int(c.link_bytes), int(c.group_size), int(c.nodes))
 
 
 def _modelled(records) -> list:

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from torch.autograd import DeviceType
 
-PROFILE_SCHEMA_VERSION = "1.6.0"
+PROFILE_SCHEMA_VERSION = "1.7.0"
 
 # The Kineto plugin's host-side event for each kernel (csrc/profiler/kineto_plugin.cpp).
 RUNTIME_EVENT = "neuronLaunchKernel"
@@ -31,6 +31,9 @@ SCHEMA = {
         ("flops", pa.int64(), "hardware events traced by the Kineto plugin: floating-point operations the cost model counts (TensorE work); 0 otherwise"),
         ("hbm_bytes", pa.int64(), "hardware events traced by the Kineto plugin: HBM bytes read and written; 0 otherwise"),
         ("launches", pa.int32(), "kernel launches the hardware event covers (1 when traced; batched repeats otherwise); 0 for others"),
+        ("link_bytes", pa.int64(), "collectives traced by the Kineto plugin (engine collective): bytes over the interconnect, as the collective model priced them; 0 otherwise"),
+        ("group_size", pa.int32(), "collectives traced by the Kineto plugin: ranks in the process group; 0 otherwise"),
+        ("nodes", pa.int32(), "collectives traced by the Kineto plugin: nodes the group spans; 0 otherwise"),
         ("correlation_id", pa.int64(), "torch.profiler's id of the op: its own for framework events, the launching op's for runtime and hardware events; -1 when unknown"),
         ("source_file", pa.string(), "Python file of the innermost user frame of the op (of the launching op for runtime and hardware events; with_stack=True)"),
         ("source_line", pa.int32(), "line in source_file; -1 when unknown"),
@@ -186,6 +189,9 @@ def events_table(host_events=(), device_events=(), kernel_meta=None, cores=None,
     launches = np.zeros(n, np.int32)
     flops = np.zeros(n, np.int64)
     hbm = np.zeros(n, np.int64)
+    link = np.zeros(n, np.int64)
+    group = np.zeros(n, np.int32)
+    nodes = np.zeros(n, np.int32)
     if nk:
         k0 = nf + nr
         metas = [kernel_meta.get(e.id, {}) for e in rows["hardware"]]
@@ -195,6 +201,9 @@ def events_table(host_events=(), device_events=(), kernel_meta=None, cores=None,
         modelled[k0:] = [m.get("modelled_ns", 0) for m in metas]
         flops[k0:] = [m.get("flops", 0) for m in metas]
         hbm[k0:] = [m.get("hbm_bytes", 0) for m in metas]
+        link[k0:] = [m.get("link_bytes", 0) for m in metas]
+        group[k0:] = [m.get("group_size", 0) for m in metas]
+        nodes[k0:] = [m.get("nodes", 0) for m in metas]
         launches[k0:] = 1
     m_start = np.full(n, -1, np.int64)
     if nk:
@@ -222,6 +231,9 @@ def events_table(host_events=(), device_events=(), kernel_meta=None, cores=None,
         launches = np.r_[launches, np.asarray(d_launches, dtype=np.int32)]
         flops = np.r_[flops, np.zeros(nd, np.int64)]
         hbm = np.r_[hbm, np.zeros(nd, np.int64)]
+        link = np.r_[link, np.zeros(nd, np.int64)]
+        group = np.r_[group, np.zeros(nd, np.int32)]
+        nodes = np.r_[nodes, np.zeros(nd, np.int32)]
         m_start = np.r_[m_start, _back_to_back(d_dev, d_queue, d_mod)]
 
     kinds = ["framework", "runtime", "hardware"]
@@ -241,6 +253,9 @@ def events_table(host_events=(), device_events=(), kernel_meta=None, cores=None,
         "flops": flops,
         "hbm_bytes": hbm,
         "launches": launches,
+        "link_bytes": link,
+        "group_size": group,
+        "nodes": nodes,
         "correlation_id": np.asarray(corr, dtype=np.int64),
         "source_file": files,
         "source_line": np.asarray(lines, dtype=np.int32),
