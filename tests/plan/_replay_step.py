@@ -174,9 +174,10 @@ def _llama():
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
 
 
-def _compiled_blocks(model):
-    for i, block in enumerate(model.blocks):
-        model.blocks[i] = torch.compile(block, backend="neuron", fullgraph=True)
+def _compiled_blocks(model, blocks="blocks"):
+    blocks = model.get_submodule(blocks)
+    for i, block in enumerate(blocks):
+        blocks[i] = torch.compile(block, backend="neuron", fullgraph=True)
     return model
 
 
@@ -236,6 +237,11 @@ MODELS = {
                      lambda g: torch.randn(TOKENS, DIM, generator=g),
                      lambda m, x: m(x).square().mean(), None,
                      [f"blocks.{i}" for i in range(BLOCKS)] + [""]),
+    # the same with each decoder layer compiled on its own
+    "cllama": Workload(lambda: _compiled_blocks(_llama(), "model.layers"),
+                       lambda g: torch.randint(0, 512, (2, 64), generator=g),
+                       lambda m, x: m(input_ids=x, labels=x).loss, None,
+                       [f"model.layers.{i}" for i in range(BLOCKS)] + [""]),
     # FSDP only: a tensor-parallel GPT needs a head-aware plan for its fused qkv projection,
     # and an optimizer over DTensor and plain parameters at once is refused by DTensor.
     "gpt": Workload(lambda: GPT(GPT_CONFIG), _gpt_batch, lambda m, x: m(x, x)[1], None,

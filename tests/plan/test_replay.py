@@ -28,6 +28,9 @@ CASES = {"mlp-fsdp": ("mlp", dict(fsdp=2, fsdp_units=MLP.fsdp_units)),
          "gpt-fsdp": ("gpt", dict(fsdp=2, fsdp_units=GPT.fsdp_units)),
          # TorchTitan's per-block compile: each block a torch.compile graph
          "cmlp-fsdp": ("cmlp", dict(fsdp=2, fsdp_units=step_script.MODELS["cmlp"].fsdp_units)),
+         # and a Transformers Llama with each decoder layer compiled
+         "cllama-fsdp": ("cllama", dict(fsdp=2,
+                                        fsdp_units=step_script.MODELS["cllama"].fsdp_units)),
          # a Transformers LlamaForCausalLM, called with keyword arguments
          "llama-fsdp": ("llama", dict(fsdp=2, fsdp_units=step_script.MODELS["llama"].fsdp_units)),
          # attention's square projections, the heads split between q/k/v and the output
@@ -94,8 +97,9 @@ def test_replay_equals_a_real_2_rank_run(real, case):
     or TP=2 (Megatron colwise/rowwise plan), equals the modelled time each rank of a real
     2-rank run reports, collective by collective: an MLP of two blocks under both, the demo
     GPT (two layers, the root holding the embeddings and the tied head), a Transformers
-    Llama (called with keyword arguments; GQA, rotary, RMSNorm) and the MLP with each block
-    compiled on its own (``torch.compile(block)``, TorchTitan's per-block compile) under FSDP,
+    Llama (called with keyword arguments; GQA, rotary, RMSNorm), and the MLP and the Llama
+    with each block compiled on its own (``torch.compile(block)``, TorchTitan's per-block
+    compile) under FSDP,
     TorchTitan-style attention blocks under TP=2 (square q/k/v/o projections split by the
     role of each dim in their matmuls, flash attention on half the heads; also with as many
     tokens as the projections are wide, when a Linear's two gradients have the same shapes;

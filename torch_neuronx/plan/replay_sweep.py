@@ -27,7 +27,8 @@ class Ranked:
 
     def __str__(self):
         name = " ".join(f"{k}={v}" for k, v in self.layout.items()
-                        if k in ("replicate", "fsdp", "tp", "pp", "microbatches") and v != 1)
+                        if k in ("replicate", "fsdp", "tp", "pp", "microbatches")
+                        and v not in (1, None))
         if self.replay is None:
             return f"{name or 'one device'}: not replayed ({self.reason})"
         stages = self.replay.stages or [self.replay]
