@@ -691,6 +691,21 @@ def test_expert_parallel_replay_lists_experts_by_name_or_glob(traced_moe):
     assert by_glob.seconds == by_name.seconds
 
 
+def test_sweep_lays_experts_over_every_device(traced_moe):
+    """With ``ep_experts`` the sweep adds expert parallelism over all the devices, replayed
+    as ``replay_layout(ep=N)`` and counted as N ranks' batches; a device count that does not
+    divide the experts stays, refused with the reason."""
+    tokens = ep_script.TOKENS
+    rows = traced_moe.sweep(2, tokens, ep_experts="experts.*")
+    assert [r.layout["ep"] for r in rows] == [2]
+    ep = traced_moe.replay_layout(ep=2, ep_experts="experts.*")
+    assert rows[0].replay.seconds == ep.seconds
+    assert rows[0].tokens_per_second == pytest.approx(2 * tokens / ep.seconds, rel=1e-12)
+    assert str(rows[0]).startswith("ep=2: ")
+    refused = traced_moe.sweep(8, tokens, ep_experts="experts.*")
+    assert refused[0].replay is None and "ep=8 does not divide the 4 experts" in refused[0].reason
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(ep=2), r"ep=2 needs ep_experts"),
     (dict(ep=3, ep_experts="experts.*"), r"ep=3 does not divide the 4 experts"),
@@ -807,7 +822,7 @@ def test_sweep_keeps_refused_layouts_with_the_reason_and_checks_its_arguments(tr
     assert "not replayed" in str(rows[0])
     with pytest.raises(ValueError, match="devices=1"):
         traced_attn.sweep(1, 96, tp_plan=step_script.ATTN_PLAN)
-    with pytest.raises(ValueError, match="tp_plan, fsdp_units, pp_blocks"):
+    with pytest.raises(ValueError, match="tp_plan, fsdp_units, pp_blocks, ep_experts"):
         traced_attn.sweep(2, 96)
 
 

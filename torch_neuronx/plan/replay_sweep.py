@@ -27,7 +27,7 @@ class Ranked:
 
     def __str__(self):
         name = " ".join(f"{k}={v}" for k, v in self.layout.items()
-                        if k in ("replicate", "fsdp", "tp", "pp", "microbatches")
+                        if k in ("replicate", "fsdp", "tp", "pp", "microbatches", "ep")
                         and v not in (1, None))
         if self.replay is None:
             return f"{name or 'one device'}: not replayed ({self.reason})"
@@ -51,12 +51,14 @@ def _microbatches(batch: int, pp: int) -> int | None:
     return None
 
 
-def layouts(trace, devices: int, tp_plan=None, fsdp_units=None, pp_blocks=None) -> list:
+def layouts(trace, devices: int, tp_plan=None, fsdp_units=None, pp_blocks=None,
+            ep_experts=None) -> list:
     """``replay_layout`` arguments of every (replicas x shards) x tp x pp = ``devices``
     the plans allow: tp with ``tp_plan``, pp with ``pp_blocks`` (the blocks in order, split
     evenly into the stages, 1F1B), data parallelism with ``fsdp_units`` (FSDP2 over the
-    replicas, HSDP, or FSDP2's replicas; under pp inside the stages)."""
-    out = []
+    replicas, HSDP, or FSDP2's replicas; under pp inside the stages); with ``ep_experts``
+    expert parallelism over all the devices (replayed alone)."""
+    out = [{"ep": devices, "ep_experts": ep_experts}] if ep_experts is not None else []
     for tp in _divisors(devices) if tp_plan else [1]:
         for pp in _divisors(devices // tp) if pp_blocks else [1]:
             d = devices // (tp * pp)
@@ -89,17 +91,18 @@ def layouts(trace, devices: int, tp_plan=None, fsdp_units=None, pp_blocks=None) 
 
 
 def sweep(trace, devices: int, tokens: int, *, tp_plan=None, fsdp_units=None, pp_blocks=None,
-          nodes: int = 1, profile=None, lnc: int | None = None) -> list:
+          ep_experts=None, nodes: int = 1, profile=None, lnc: int | None = None) -> list:
     """Every layout of ``layouts`` replayed on ``nodes`` nodes; ranked: the replayed layouts
     that fit first, the highest tokens/s first (``tokens``: the traced step's), then those
     that do not fit, then the refused ones."""
     if not isinstance(devices, int) or devices < 2:
         raise ValueError(f"sweep: devices={devices!r} must be an int >= 2")
-    if tp_plan is None and fsdp_units is None and pp_blocks is None:
-        raise ValueError("sweep: give at least one of tp_plan, fsdp_units, pp_blocks: the "
-                         "replays need the plan of each parallelism they lay out")
+    if tp_plan is None and fsdp_units is None and pp_blocks is None and ep_experts is None:
+        raise ValueError("sweep: give at least one of tp_plan, fsdp_units, pp_blocks, "
+                         "ep_experts: the replays need the plan of each parallelism they lay "
+                         "out")
     ranked = []
-    for kw in layouts(trace, devices, tp_plan, fsdp_units, pp_blocks):
+    for kw in layouts(trace, devices, tp_plan, fsdp_units, pp_blocks, ep_experts):
         row = Ranked(kw)
         if kw.get("pp", 1) > 1 and not trace.root_inputs:
             row.reason = ("pp splits dim 0 of the root's first tensor argument into "
@@ -114,7 +117,8 @@ def sweep(trace, devices: int, tokens: int, *, tp_plan=None, fsdp_units=None, pp
             except ValueError as e:
                 row.reason = str(e)
             else:
-                replicas = kw.get("replicate", 1) * kw.get("fsdp", 1)
+                # expert parallelism's ranks each route a batch of their own
+                replicas = kw.get("replicate", 1) * kw.get("fsdp", 1) * kw.get("ep", 1)
                 row.replay, row.tokens_per_second = r, r.tokens_per_second(tokens * replicas)
                 row.fits = all(s.memory.fits for s in r.stages or [r])
         ranked.append(row)

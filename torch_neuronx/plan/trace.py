@@ -237,15 +237,18 @@ class StepTrace:
 
 
     def sweep(self, devices: int, tokens: int, *, tp_plan=None, fsdp_units=None,
-              pp_blocks=None, nodes: int = 1, profile=None, lnc: int | None = None) -> list:
+              pp_blocks=None, ep_experts=None, nodes: int = 1, profile=None,
+              lnc: int | None = None) -> list:
         """The layouts of ``devices`` devices that the plans allow (tp with ``tp_plan``,
         FSDP2 / HSDP / replicas with ``fsdp_units``, 1F1B pp with ``pp_blocks``, the blocks
-        split evenly into stages), each replayed (``replay_layout``) and ranked: fitting
+        split evenly into stages, ep over every device with ``ep_experts``), each replayed
+        (``replay_layout``) and ranked: fitting
         first, by tokens/s over the devices (``tokens``: the traced step's), refused ones
         last with the reason (``plan.replay_sweep.Ranked``)."""
         from .replay_sweep import sweep
         return sweep(self, devices, tokens, tp_plan=tp_plan, fsdp_units=fsdp_units,
-                     pp_blocks=pp_blocks, nodes=nodes, profile=profile, lnc=lnc)
+                     pp_blocks=pp_blocks, ep_experts=ep_experts, nodes=nodes,
+                     profile=profile, lnc=lnc)
 
 
 def _chip(profile):
