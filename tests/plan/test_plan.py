@@ -226,3 +226,14 @@ def test_a_profile_without_the_kineto_plugin_is_refused(tmp_path):
     assert t.flops == 2 * 64 ** 3 and not t.collectives and t.seconds > 0
     with pytest.raises(ValueError, match=r"no hardware events of device 1"):
         plan.StepTrace.from_profile(tmp_path / "both" / "trace_0", device=1)
+    # an export from before collectives kept their groups
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    meta = tmp_path / "both" / "trace_0" / "Metadata.parquet"
+    rows = pq.read_table(meta).to_pydict()
+    rows["value"] = ["1.6.0" if k == "profile_schema_version" else v
+                     for k, v in zip(rows["key"], rows["value"])]
+    pq.write_table(pa.table(rows), meta)
+    with pytest.raises(ValueError, match=r"has schema 1.6.0; collectives' groups are recorded "
+                                         r"from 1.7.0 on"):
+        plan.StepTrace.from_profile(tmp_path / "both" / "trace_0")

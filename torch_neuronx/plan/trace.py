@@ -100,7 +100,8 @@ class StepTrace:
                              f"plugin (hardware_source={meta.get('hardware_source')!r}); "
                              f"profile the step with activities=[ProfilerActivity.CPU, "
                              f"ProfilerActivity.PrivateUse1]")
-        if meta.get("profile_schema_version", "0").split(".")[:2] < ["1", "7"]:
+        version = tuple(int(v) for v in meta.get("profile_schema_version", "0").split(".")[:2])
+        if version < (1, 7):
             raise ValueError(f"StepTrace.from_profile: {path} has schema "
                              f"{meta.get('profile_schema_version')}; collectives' groups are "
                              f"recorded from 1.7.0 on: profile the step again")
