@@ -158,6 +158,7 @@ class Workload:
     loss: object        # (model, inputs on the device) -> loss
     tp_plan: dict | None
     fsdp_units: list
+    optimizer: object = None   # (model) -> optimizer; None: SGD over every parameter
 
 
 ATTN_PLAN = {f"blocks.{i}.{name}": style for i in range(BLOCKS)
@@ -242,6 +243,19 @@ MODELS = {
                        lambda g: torch.randint(0, 512, (2, 64), generator=g),
                        lambda m, x: m(input_ids=x, labels=x).loss, None,
                        [f"model.layers.{i}" for i in range(BLOCKS)] + [""]),
+    # AdamW with weight decay on the weights only, as training scripts group them: one
+    # foreach op per group
+    "mlpadamw": Workload(MLP, lambda g: torch.randn(TOKENS, DIM, generator=g),
+                         lambda m, x: m(x).square().mean(),
+                         {f"blocks.{i}.{name}": style for i in range(BLOCKS)
+                          for name, style in (("fc1", "colwise"), ("fc2", "rowwise"))},
+                         [f"blocks.{i}" for i in range(BLOCKS)] + [""],
+                         lambda m: torch.optim.AdamW(
+                             [{"params": [p for n, p in m.named_parameters()
+                                          if n.endswith("weight")], "weight_decay": 0.1},
+                              {"params": [p for n, p in m.named_parameters()
+                                          if not n.endswith("weight")], "weight_decay": 0.0}],
+                             lr=1e-3)),
     # FSDP only: a tensor-parallel GPT needs a head-aware plan for its fused qkv projection,
     # and an optimizer over DTensor and plain parameters at once is refused by DTensor.
     "gpt": Workload(lambda: GPT(GPT_CONFIG), _gpt_batch, lambda m, x: m(x, x)[1], None,
@@ -308,7 +322,7 @@ def build(model_name: str, layout: str, dev):
                       "rowwise": lambda: RowwiseParallel(output_layouts=Shard(seq)),
                       "sequence": lambda: SequenceParallel(sequence_dim=seq)}
         parallelize_module(model, mesh, {k: styles[v]() for k, v in w.tp_plan.items()})
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    opt = (w.optimizer or (lambda m: torch.optim.SGD(m.parameters(), lr=0.01)))(model)
     return model, opt
 
 
@@ -330,7 +344,8 @@ def traced_step(model_name: str, layout: str, dev, rank: int = 0):
 
     step()
     step()
-    with plan.trace(dev, model if layout == "single" else None) as t:
+    single = layout == "single"
+    with plan.trace(dev, model if single else None, opt if single else None) as t:
         step()
     return t
 

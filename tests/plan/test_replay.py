@@ -31,6 +31,9 @@ CASES = {"mlp-fsdp": ("mlp", dict(fsdp=2, fsdp_units=MLP.fsdp_units)),
          # and a Transformers Llama with each decoder layer compiled
          "cllama-fsdp": ("cllama", dict(fsdp=2,
                                         fsdp_units=step_script.MODELS["cllama"].fsdp_units)),
+         # AdamW over two parameter groups (weight decay on the weights only)
+         "mlpadamw-fsdp": ("mlpadamw", dict(fsdp=2, fsdp_units=MLP.fsdp_units)),
+         "mlpadamw-tp": ("mlpadamw", dict(tp=2, tp_plan=MLP.tp_plan)),
          # a Transformers LlamaForCausalLM, called with keyword arguments
          "llama-fsdp": ("llama", dict(fsdp=2, fsdp_units=step_script.MODELS["llama"].fsdp_units)),
          # attention's square projections, the heads split between q/k/v and the output
@@ -95,7 +98,8 @@ def traced_norm():
 def test_replay_equals_a_real_2_rank_run(real, case):
     """A step traced on one device, replayed for FSDP=2 (fully_shard per block and the root)
     or TP=2 (Megatron colwise/rowwise plan), equals the modelled time each rank of a real
-    2-rank run reports, collective by collective: an MLP of two blocks under both, the demo
+    2-rank run reports, collective by collective: an MLP of two blocks under both (also
+    with AdamW over two parameter groups, one list op per group), the demo
     GPT (two layers, the root holding the embeddings and the tied head), a Transformers
     Llama (called with keyword arguments; GQA, rotary, RMSNorm), and the MLP and the Llama
     with each block compiled on its own (``torch.compile(block)``, TorchTitan's per-block
@@ -344,6 +348,41 @@ def test_compiled_blocks_are_charged_to_their_blocks():
     assert all(r.replay is not None for r in rows), [r.reason for r in rows]
 
 
+def test_optimizer_list_ops_are_sharded_by_their_parameter_group():
+    """torch.optim issues a list op per parameter group: with the optimizer traced
+    (``trace(..., optimizer=)``) each op is re-priced on its own group's local parameters
+    (exact against real runs in test_replay_equals_a_real_2_rank_run); without it the
+    parameters are taken as one group, and an op over part of them is refused by name."""
+    dev = torch.device("neuron", 0)
+    model, opt = step_script.build("mlpadamw", "single", dev)
+    x = torch.randn(step_script.TOKENS, step_script.DIM, device=dev)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        opt.step()
+    with _unfused():
+        step()
+        step()
+        with plan.trace(dev, model) as blind:
+            step()
+        with plan.trace(dev, model, opt) as t:
+            step()
+    assert t.param_groups == [[n for n, _ in model.named_parameters() if n.endswith("weight")],
+                              [n for n, _ in model.named_parameters() if n.endswith("bias")]]
+    assert blind.param_groups is None
+    with pytest.raises(ValueError, match=r"optimizer op _foreach_\w+ over shapes .* matches no "
+                                         r"parameter group of the parameters as one group "
+                                         r"\(several groups: trace with optimizer=\)"):
+        blind.replay_layout(fsdp=2, fsdp_units=MLP.fsdp_units)
+    r = t.replay_layout(fsdp=2, fsdp_units=MLP.fsdp_units)
+    # each group's list ops run on half of its parameters' bytes
+    traced = sum(o.charge.seconds for o in t.ops if o.charge.name.startswith("_foreach_"))
+    replayed = sum(op[3] for op in r.ops if op[0].startswith("_foreach_")
+                   and op[1] is None)
+    assert 0 < replayed < traced
+
+
 def test_a_trace_without_its_module_cannot_be_replayed():
     x = torch.ones(4, 4, device="neuron")
     with plan.trace() as t:
@@ -382,7 +421,7 @@ def test_tracing_the_modules_does_not_change_the_step():
     assert {o.module for o in tracked.ops} >= {"blocks.0.fc1", "blocks.1.fc2", None}
 
 
-def test_an_optimizer_over_some_parameters_is_refused():
+def test_an_optimizer_over_some_parameters_is_refused_unless_traced():
     def groups(m):
         first = list(m.blocks[0].fc1.parameters())
         rest = [p for p in m.parameters() if all(p is not q for q in first)]
@@ -390,9 +429,14 @@ def test_an_optimizer_over_some_parameters_is_refused():
     model, step = _mlp_step(groups)
     with plan.trace("neuron", model) as t:
         step()
-    with pytest.raises(ValueError, match=r"optimizer op _foreach_add_ moved \d+ bytes, not a "
-                                         r"multiple of the \d+ bytes of the parameters"):
+    with pytest.raises(ValueError, match=r"optimizer op _foreach_add_ over shapes \[.*\] moved "
+                                         r"\d+ bytes, which matches no parameter group of the "
+                                         r"parameters as one group \(several groups: trace "
+                                         r"with optimizer=\)"):
         t.replay_layout(fsdp=2, fsdp_units=FSDP_UNITS)
+    with plan.trace("neuron", model, step.optimizer) as t:
+        step()
+    assert t.replay_layout(fsdp=2, fsdp_units=FSDP_UNITS).seconds > 0
 
 
 def test_uneven_fsdp_shards_replay_rank_0(traced):

@@ -234,18 +234,44 @@ def _local_charge(o, new, cfg):
                    flops=flops)
 
 
-def _optimizer_op(o, ratio: float, cfg, params: dict) -> tuple:
-    """(seconds, flops) of an optimizer list op over the local parameters: its bytes scaled
-    by local / full parameter bytes. That holds for an op over every parameter (one parameter
-    group, its state tensors shaped as the parameters): its bytes are then a whole multiple
-    of the parameters' bytes, which is checked."""
+def _optimizer_op(o, sharded, cfg, trace) -> tuple:
+    """(seconds, flops) of an optimizer list op over the local parameters
+    (``sharded(fqn, shape, numel)``: a parameter's local elements): its bytes scaled by local /
+    full bytes of the parameters it runs over. torch.optim issues one list op per parameter
+    group and dtype; the op's group is the one (of the optimizer traced with
+    ``trace(..., optimizer=)``; else all the parameters as one group) whose leading parameter
+    shapes are the op's recorded shapes and whose bytes divide the op's (its state tensors
+    are shaped as the parameters)."""
     c = o.charge
-    full = sum(math.prod(shape) * dtype.itemsize for shape, dtype in params.values())
+    groups = trace.param_groups or [list(trace.params)]
     moved = c.bytes_in + c.bytes_out
-    if full == 0 or moved % full:
-        raise ValueError(f"replay: optimizer op {c.name} moved {moved} bytes, not a multiple "
-                         f"of the {full} bytes of the parameters: it runs over some of them "
-                         f"(several parameter groups?), which is not replayed")
+    shapes = [tuple(s) for s in c.shapes or ()]
+    ratios = set()
+    for group in groups:
+        for dtype in dict.fromkeys(trace.params[f][1] for f in group):
+            # torch.optim's list ops run over the parameters that have a gradient
+            fqns = [f for f in group if trace.params[f][1] == dtype
+                    and (not trace.grad_bytes or f in trace.grad_bytes)]
+            lead = [tuple(trace.params[f][0]) for f in fqns[:len(shapes)]]
+            full = sum(math.prod(trace.params[f][0]) for f in fqns) * dtype.itemsize
+            # the record keeps the first shapes of its flattened lists: a short group's
+            # are followed by its gradients' or states'
+            if lead == shapes[:len(lead)] and full and moved % full == 0:
+                local = sum(sharded(f, trace.params[f][0], math.prod(trace.params[f][0]))
+                            for f in fqns) * dtype.itemsize
+                ratios.add(local / full)
+    if len(ratios) != 1:
+        what = (f"{len(groups)} parameter groups" if trace.param_groups else
+                "the parameters as one group (several groups: trace with optimizer=)")
+        raise ValueError(f"replay: optimizer op {c.name} over shapes {shapes} moved {moved} "
+                         f"bytes, which " + ("matches no" if not ratios else
+                                             "matches several differently sharded")
+                         + f" parameter group of {what}")
+    ratio = ratios.pop()
+    if ratio == 1.0:
+        return c.seconds, c.flops
+    if ratio == 0.0:   # none of the group's parameters is local: the rank issues no op
+        return 0.0, 0.0
     return _reprice(c, c.shapes, round(c.bytes_in * ratio), round(c.bytes_out * ratio), cfg)
 
 

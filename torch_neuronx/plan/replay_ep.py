@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from .replay import Replay, _is_optimizer, _local_bytes, _optimizer_op
+from .replay import Replay, _is_optimizer, _optimizer_op
 
 
 def _experts(trace, ep: int, names) -> list:
@@ -107,7 +107,9 @@ def replay_ep(trace, ep: int, names, cfg, nodes: int) -> Replay:
         owned = {f for f in trace.params
                  if not any(f.startswith(e + ".") for e in experts)
                  or any(f.startswith(e + ".") for e in held)}
-        lb, fb = _local_bytes(trace.params, lambda f, _, n: n if f in owned else 0)
+
+        def mine(f, _, n, owned=owned):
+            return n if f in owned else 0
         chunks = [(counts[e], d) for _ in range(ep) for e in held]
         recv = sum(c for c, _ in chunks)
 
@@ -127,7 +129,7 @@ def replay_ep(trace, ep: int, names, cfg, nodes: int) -> Replay:
                                  "from a step traced without collectives")
             if _is_optimizer(c.name):
                 rep._op(c.name, o.module, o.backward,
-                        *_optimizer_op(o, lb / fb, cfg, trace.params))
+                        *_optimizer_op(o, mine, cfg, trace))
                 continue
             who = _owner(o, experts, counts)
             if who is not None:

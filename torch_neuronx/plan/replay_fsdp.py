@@ -169,7 +169,7 @@ def _traced_ops(trace, n: int, covered, cfg, mp) -> Replay:
             raise ValueError(f"replay: the traced step issued {c.name}; fsdp is replayed "
                              f"from a step traced without collectives")
         if _is_optimizer(c.name):   # on the sharded parameters, in their own dtype
-            seconds, flops = (_optimizer_op(o, ratio, cfg, trace.params) if ratio != 1.0
+            seconds, flops = (_optimizer_op(o, sharded, cfg, trace) if ratio != 1.0
                               else (c.seconds, c.flops))
         else:
             seconds, flops = _mp_op(o, *mp[::2], cfg) if mp else (c.seconds, c.flops)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from .replay import (Replay, _is_optimizer, _local_bytes, _optimizer_op, _root_dim0,
+from .replay import (Replay, _is_optimizer, _optimizer_op, _root_dim0,
                      _shard_shape, _split_op, _within)
 from .replay_tp import _tp_comm, _tp_local_shape, tp_stream
 
@@ -134,8 +134,8 @@ def replay_pp(trace, pp: int, stages, schedule: str, m: int, cfg, nodes: int, tp
                    + (f" tp={tp}" if tp > 1 else "")
                    + f" {schedule} microbatches={m} stage={s}")
         owned = {f for f in trace.params if any(f.startswith(u + ".") for u in names)}
-        local, full = _local_bytes(trace.params, lambda f, _, n: (
-            math.prod(held[f][0]) if f in owned else 0))
+        def mine(f, _, n, owned=owned):
+            return math.prod(held[f][0]) if f in owned else 0
         fwd, bwd, tail = [], [], []   # per micro-batch forward and backward, then once
         here = False   # whether the last op was this stage's (a comm follows its op)
         for kind, o in work:
@@ -149,7 +149,7 @@ def replay_pp(trace, pp: int, stages, schedule: str, m: int, cfg, nodes: int, tp
                 raise ValueError(f"replay: the traced step issued {c.name}; pp is replayed "
                                  f"from a step traced without collectives")
             if _is_optimizer(c.name):
-                tail.append((o, *_optimizer_op(o, local / full, cfg, trace.params)))
+                tail.append((o, *_optimizer_op(o, mine, cfg, trace)))
                 here = False
                 continue
             where = stage_of(o.module, units, f"{c.name}, which ran in {{where}},")

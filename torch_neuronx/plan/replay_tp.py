@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from .replay import (Replay, _is_optimizer, _local_bytes, _local_charge, _optimizer_op,
+from .replay import (Replay, _is_optimizer, _local_charge, _optimizer_op,
                      _priced, _root_dim0, _shard_numel, _split_shapes)
 
 _STYLES = ("colwise", "rowwise", "sequence")
@@ -300,8 +300,6 @@ def replay_tp(trace, tp: int, tp_plan: dict, cfg, nodes: int, fsdp: int = 1,
         if fqn in fsdp_covered:
             return min(math.prod(local), _shard_numel(local, fsdp))
         return math.prod(local)
-    local, full = _local_bytes(trace.params, sharded)
-    ratio = local / full if full else 1.0
     # (what, module, bytes, dtype) per launch, in issue order: a module called twice
     # communicates twice
     comms = []
@@ -309,8 +307,8 @@ def replay_tp(trace, tp: int, tp_plan: dict, cfg, nodes: int, fsdp: int = 1,
         if kind == "comm":
             comms.append(x)
         elif _is_optimizer(x.charge.name):
-            out._op(x.charge.name, x.module, x.backward, *_optimizer_op(x, ratio, cfg,
-                                                                          trace.params))
+            out._op(x.charge.name, x.module, x.backward, *_optimizer_op(x, sharded, cfg,
+                                                                          trace))
         else:
             out._op(x.charge.name, x.module, x.backward, x.charge.seconds, x.charge.flops)
     tokens, seq_dim = _root_sequence(trace, tp) if sp else (None, None)

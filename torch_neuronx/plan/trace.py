@@ -80,6 +80,9 @@ class StepTrace:
     kept_grads: dict = field(default_factory=dict)
     optimizer_bytes: dict = field(default_factory=dict)
     first_op: dict = field(default_factory=dict)
+    # ``trace(..., optimizer=)``: the parameter fqns of each of its parameter groups (the
+    # replays shard each group's list ops by that group's parameters); None: not traced
+    param_groups: list | None = None
 
     @classmethod
     def from_profile(cls, path, device: int = 0) -> "StepTrace":
@@ -463,7 +466,10 @@ def trace(device=None, module: torch.nn.Module | None = None, optimizer=None):
                           if p.grad is not None}
         if optimizer is not None:
             by_param = {p: n for n, p in named.items()}
+            out.param_groups = []
             for group in optimizer.param_groups:
+                out.param_groups.append([by_param[p] for p in group["params"]
+                                         if p in by_param])
                 for p in group["params"]:
                     if p not in by_param:
                         raise ValueError("plan.trace: the optimizer steps a parameter that is "
