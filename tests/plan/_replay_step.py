@@ -175,6 +175,23 @@ def _llama():
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
 
 
+# Transformers' own tensor-parallel plan for Llama
+LLAMA_PLAN = {f"model.layers.{i}.{name}": style for i in range(BLOCKS)
+              for name, style in (("self_attn.q_proj", "colwise"), ("self_attn.k_proj", "colwise"),
+                                  ("self_attn.v_proj", "colwise"), ("self_attn.o_proj", "rowwise"),
+                                  ("mlp.gate_proj", "colwise"), ("mlp.up_proj", "colwise"),
+                                  ("mlp.down_proj", "rowwise"))}
+
+
+def _split_groups(model, plan):
+    """SGD over two parameter groups: the tensor-parallel Linears' (DTensors under TP) and
+    the rest (plain tensors under TP: norms, embeddings, head), since DTensor's list ops
+    refuse a list that mixes both."""
+    tp = [p for n, p in model.named_parameters() if n.rpartition(".")[0] in plan]
+    rest = [p for n, p in model.named_parameters() if n.rpartition(".")[0] not in plan]
+    return torch.optim.SGD([{"params": tp}, {"params": rest}], lr=0.01)
+
+
 def _compiled_blocks(model, blocks="blocks"):
     blocks = model.get_submodule(blocks)
     for i, block in enumerate(blocks):
@@ -229,8 +246,9 @@ MODELS = {
     # Transformers' Llama as users call it (keyword arguments, its own loss), FSDP2 on its
     # decoder layers and the root
     "llama": Workload(_llama, lambda g: torch.randint(0, 512, (2, 64), generator=g),
-                      lambda m, x: m(input_ids=x, labels=x).loss, None,
-                      [f"model.layers.{i}" for i in range(BLOCKS)] + [""]),
+                      lambda m, x: m(input_ids=x, labels=x).loss, LLAMA_PLAN,
+                      [f"model.layers.{i}" for i in range(BLOCKS)] + [""],
+                      lambda m: _split_groups(m, LLAMA_PLAN)),
     # TorchTitan's per-block compile: each block wrapped by torch.compile (backend "neuron",
     # one graph per block) before FSDP2 shards it; the compiled graphs are charged to the
     # blocks, whose wrappers run their hooks eagerly

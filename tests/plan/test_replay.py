@@ -36,6 +36,9 @@ CASES = {"mlp-fsdp": ("mlp", dict(fsdp=2, fsdp_units=MLP.fsdp_units)),
          "mlpadamw-tp": ("mlpadamw", dict(tp=2, tp_plan=MLP.tp_plan)),
          # a Transformers LlamaForCausalLM, called with keyword arguments
          "llama-fsdp": ("llama", dict(fsdp=2, fsdp_units=step_script.MODELS["llama"].fsdp_units)),
+         # and under TP=2 with Transformers' own plan (the optimizer in two groups: DTensor's
+         # list ops refuse the plain norms' and embeddings' parameters beside DTensors)
+         "llama-tp": ("llama", dict(tp=2, tp_plan=step_script.LLAMA_PLAN)),
          # attention's square projections, the heads split between q/k/v and the output
          "attn-tp": ("attn", dict(tp=2, tp_plan=step_script.ATTN_PLAN)),
          # as many tokens as the projections are wide: gradients of the same shapes
@@ -101,7 +104,9 @@ def test_replay_equals_a_real_2_rank_run(real, case):
     2-rank run reports, collective by collective: an MLP of two blocks under both (also
     with AdamW over two parameter groups, one list op per group), the demo
     GPT (two layers, the root holding the embeddings and the tied head), a Transformers
-    Llama (called with keyword arguments; GQA, rotary, RMSNorm), and the MLP and the Llama
+    Llama (called with keyword arguments; GQA, rotary, RMSNorm; also under TP=2 with
+    Transformers' plan, SwiGLU's activation backward run after the up projection's), and
+    the MLP and the Llama
     with each block compiled on its own (``torch.compile(block)``, TorchTitan's per-block
     compile) under FSDP,
     TorchTitan-style attention blocks under TP=2 (square q/k/v/o projections split by the

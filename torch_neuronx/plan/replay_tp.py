@@ -84,8 +84,8 @@ def _region_shape(name: str, module, s: tuple, sizes: frozenset, n: int, heads: 
 
 def _region_shapes(o, sizes: frozenset, n: int, heads: set) -> tuple:
     """The shapes of an op between a column- and a row-parallel Linear on one rank
-    (``_region_shape``; an operand of lower rank that broadcasts against the widest one
-    split as it); an op none of whose shapes splits is refused."""
+    (``_region_shape``; an operand that broadcasts against the widest one split as it); an
+    op none of whose shapes splits is refused."""
     _priced(o)
     shapes = tuple(o.charge.shapes)
     big = max(shapes, key=len, default=())
@@ -93,9 +93,10 @@ def _region_shapes(o, sizes: frozenset, n: int, heads: set) -> tuple:
     new = []
     for s in shapes:
         lead = len(big) - len(s)
-        if lead > 0 and all(d in (1, big[lead + j]) for j, d in enumerate(s)):
+        if all(d in (1, big[lead + j]) for j, d in enumerate(s)):
             # broadcast against the op's widest operand (a rotary table (sequence,
-            # head_dim) against (batch, heads, sequence, head_dim)): split where it is
+            # head_dim), or (1, 1, sequence, head_dim), against (batch, heads, sequence,
+            # head_dim)): split where it is, whole where it broadcasts
             new.append(tuple(split[lead + j] if d != 1 else 1 for j, d in enumerate(s)))
         else:
             new.append(_region_shape(o.charge.name, o.module, s, sizes, n, heads))
@@ -326,10 +327,16 @@ def _tp_walk(trace, tp_plan: dict):
     region: forward from a colwise Linear to the next rowwise one, backward from a rowwise
     Linear to the next colwise one (several colwise Linear layers may open one, as
     attention's q, k and v projections; backward's is forward's, found by its rowwise
-    Linear)."""
+    Linear). Autograd may run a colwise Linear's backward before other backward ops of its
+    region (SwiGLU's up projection before the activation's backward): an op of a leaf module
+    whose forward ops all ran in one region is that region's in backward too (not a parent
+    module's: ModTracker may charge a later backward op, such as the embedding's, to the
+    module last active)."""
     region = {False: None, True: None}
     opened = set()      # forward: the split sizes since the last rowwise Linear
     paired = {}         # rowwise Linear -> its forward region's split sizes
+    ran_in = {}         # leaf module -> the forward regions of its ops
+    parents = {m.rpartition(".")[0] for m in trace.modules if m}
     for o in trace.ops:
         c = o.charge
         if c.engine == "collective":
@@ -338,7 +345,16 @@ def _tp_walk(trace, tp_plan: dict):
         style = tp_plan.get(o.module)
         style = None if style == "sequence" or _is_optimizer(c.name) else style
         if style is None:
-            yield o, None, None if _is_optimizer(c.name) else region[o.backward]
+            if _is_optimizer(c.name):
+                yield o, None, None
+                continue
+            here = region[o.backward]
+            if not o.backward:
+                if o.module is not None and o.module not in parents:
+                    ran_in.setdefault(o.module, set()).add(here)
+            elif here is None and len(ran_in.get(o.module, ())) == 1:
+                here = next(iter(ran_in[o.module]))
+            yield o, None, here
             continue
         if o.backward:
             o, style = _backward_owner(o, style, trace.linears, tp_plan)
