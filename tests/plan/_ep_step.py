@@ -4,7 +4,8 @@ each rank holds EXPERTS / WORLD_SIZE experts; the routed tokens are dispatched w
 ``all_to_all_single`` after the per-expert counts are exchanged, as TorchTitan does, and
 combined back with the reverse all_to_all; the non-expert parameters are data parallel, their
 gradients all-reduced). Every rank feeds the same tokens, so the routing is the one-device
-step's. ``_ep_step.py single|ep``; prints the trace and the first
+step's. ``epfsdp``: the same with FSDP2 over the ranks on the non-expert parameters.
+``_ep_step.py single|ep|epfsdp``; prints the trace and the first
 step's loss as JSON after "TRACE "."""
 import json
 import os
@@ -83,7 +84,7 @@ class MoE(nn.Module):
 def build(layout: str, dev, group=None):
     torch.manual_seed(0)
     model = MoE(group)
-    if layout == "ep":
+    if layout in ("ep", "epfsdp"):
         import torch.distributed as dist
         n, rank = dist.get_world_size(), dist.get_rank()
         local = EXPERTS // n
@@ -92,12 +93,21 @@ def build(layout: str, dev, group=None):
             if not rank * local <= i < (rank + 1) * local:
                 model.experts[i] = nn.Identity()
     model = model.to(dev)
-    return model, torch.optim.SGD([p for p in model.parameters()], lr=0.01)
+    if layout == "epfsdp":
+        # FSDP2 over the same ranks on the non-expert parameters (TorchTitan's dp_shard = ep),
+        # the experts this rank holds left to expert parallelism
+        from torch.distributed.fsdp import fully_shard
+        fully_shard(model, ignored_params=set(model.experts.parameters()))
+    # two parameter groups, as DTensor's list ops refuse FSDP2's sharded parameters beside
+    # plain ones
+    dense = [p for n, p in model.named_parameters() if not n.startswith("experts.")]
+    experts = [p for n, p in model.named_parameters() if n.startswith("experts.")]
+    return model, torch.optim.SGD([{"params": dense}, {"params": experts}], lr=0.01)
 
 
 def traced_step(layout: str, dev):
     import torch.distributed as dist
-    model, opt = build(layout, dev, dist.group.WORLD if layout == "ep" else None)
+    model, opt = build(layout, dev, dist.group.WORLD if layout in ("ep", "epfsdp") else None)
     x = torch.randn(TOKENS, DIM, generator=torch.Generator().manual_seed(0)).to(dev)
     dense = [p for n, p in model.named_parameters() if not n.startswith("experts.")]
 
@@ -113,7 +123,7 @@ def traced_step(layout: str, dev):
 
     first = step().item()   # of the initial parameters
     step()
-    with plan.trace(dev, model) as t:
+    with plan.trace(dev, model, opt if layout == "single" else None) as t:
         step()
     return t, first
 
@@ -122,7 +132,7 @@ def main():
     layout = sys.argv[1]
     torch_neuronx.set_adaptive_eager(False)   # as _replay_step: the replay prices op by op
     rank = int(os.environ.get("RANK", "0"))
-    if layout == "ep":
+    if layout in ("ep", "epfsdp"):
         import torch.distributed as dist
         dist.init_process_group("neuron")
     dev = torch.device("neuron", rank)
@@ -134,7 +144,7 @@ def main():
                     [list(s) for s in o.charge.shapes or ()], o.module, o.backward,
                     o.charge.bytes_in, o.charge.bytes_out] for o in t.ops]}
     print("TRACE " + json.dumps(out), flush=True)
-    if layout == "ep":
+    if layout in ("ep", "epfsdp"):
         torch.distributed.destroy_process_group()
 
 

@@ -734,6 +734,31 @@ def test_expert_parallel_replay_equals_a_real_2_rank_run(traced_moe):
     assert [r["loss"] for r in real] == pytest.approx([want] * 2, rel=1e-6)
 
 
+def test_expert_parallel_with_fsdp_replay_equals_a_real_2_rank_run(traced_moe):
+    """EP=2 with FSDP2 over the same 2 ranks on the non-expert parameters (TorchTitan's
+    dp_shard = ep: ``fully_shard`` on the root, the experts ignored): the root's all-gather
+    in forward and reduce-scatter in backward, with their copies, replace the all-reduces,
+    and the optimizer steps the rank's shards and its experts (two parameter groups); each
+    rank's busy time equals its modelled clock, collective by collective."""
+    predicted = traced_moe.replay_layout(ep=2, ep_experts="experts.*", fsdp=2,
+                                         fsdp_units=[""])
+    real = ranks(2, "_ep_step.py", "epfsdp")
+    plain = traced_moe.replay_layout(ep=2, ep_experts="experts.*")
+    for rank, r, alone in zip(predicted.stages, real, plain.stages):
+        assert [c[:3] for c in r["collectives"]] == [list(c[:3]) for c in rank.collectives]
+        assert [c[0] for c in rank.collectives] == (
+            ["all_gather"] + [c[0] for c in alone.collectives if c[0] != "all_reduce"]
+            + ["reduce_scatter"])
+        assert r["seconds"] == pytest.approx(rank.device_seconds + rank.collective_seconds,
+                                             rel=1e-9)
+        _assert_memory(rank.memory, r)
+        assert rank.memory.parameters < alone.memory.parameters
+    model, _ = ep_script.build("single", "cpu")
+    x = torch.randn(ep_script.TOKENS, ep_script.DIM, generator=torch.Generator().manual_seed(0))
+    want = model(x).square().mean().item()
+    assert [r["loss"] for r in real] == pytest.approx([want] * 2, rel=1e-6)
+
+
 def test_expert_parallel_replay_lists_experts_by_name_or_glob(traced_moe):
     by_glob = traced_moe.replay_layout(ep=2, ep_experts="experts.*")
     by_name = traced_moe.replay_layout(ep=2, ep_experts=[f"experts.{i}" for i in range(4)])
@@ -753,6 +778,13 @@ def test_sweep_lays_experts_over_every_device(traced_moe):
     assert str(rows[0]).startswith("ep=2: ")
     refused = traced_moe.sweep(8, tokens, ep_experts="experts.*")
     assert refused[0].replay is None and "ep=8 does not divide the 4 experts" in refused[0].reason
+    # with the root as an FSDP unit, also FSDP2 over the same devices on the rest
+    rows = traced_moe.sweep(2, tokens, ep_experts="experts.*", fsdp_units=[""])
+    both = next(r for r in rows if r.layout.get("ep") and r.layout.get("fsdp"))
+    assert both.replay.seconds == traced_moe.replay_layout(
+        ep=2, ep_experts="experts.*", fsdp=2, fsdp_units=[""]).seconds
+    assert both.tokens_per_second == pytest.approx(2 * tokens / both.replay.seconds)
+    assert str(both).startswith("ep=2 fsdp=2: ")
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -761,6 +793,10 @@ def test_sweep_lays_experts_over_every_device(traced_moe):
     (dict(ep=2, ep_experts="moe.*"), r"ep_experts='moe.\*' matches no submodule"),
     (dict(ep=2, ep_experts=["experts.0", "experts.9"]), r"ep_experts names 'experts.9'"),
     (dict(ep=2, ep_experts="experts.*", tp=2), r"tp=2 with ep=2 is not replayed"),
+    (dict(ep=2, ep_experts="experts.*", fsdp=4, fsdp_units=[""]),
+     r"ep=2 with fsdp=4: FSDP2 over the same ranks as expert parallelism"),
+    (dict(ep=2, ep_experts="experts.*", fsdp=2, fsdp_units=["proj"]),
+     r"ep with fsdp replays FSDP2 on the root only"),
 ])
 def test_bad_expert_parallel_layouts_raise_clear_errors(traced_moe, kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -247,12 +247,14 @@ def layout_memory(trace, cfg, *, fsdp=1, fsdp_units=None, replicate=1, tp=1, tp_
     return out
 
 
-def ep_memory(trace, cfg, experts: list, ep: int) -> list:
+def ep_memory(trace, cfg, experts: list, ep: int, fsdp: bool = False) -> list:
     """Each expert-parallel rank's ``Memory`` (``experts``: the expert modules in order, E / ep
-    contiguous ones per rank): the non-expert parameters whole and its own experts', the
+    contiguous ones per rank): the non-expert parameters whole (``fsdp``: FSDP2's shards over
+    the ep ranks, the root gathered the whole step) and its own experts', the
     tensors saved outside the experts as traced, and its experts' once per source rank
     (each runs on a chunk of tokens from every rank, routed as the traced step), their
     gradients accumulated over the chunks."""
+    from .replay import _shard_numel
     per = len(experts) // ep
 
     def expert_of(name):
@@ -267,12 +269,24 @@ def ep_memory(trace, cfg, experts: list, ep: int) -> list:
         saved.append(0 if key in seen else
                      t.nbytes if e is None else math.prod(t.shape) * t.dtype.itemsize)
         seen.add(key)
+    dense = [f for f in trace.params if expert_of(_module_of(f)) is None] if fsdp else []
+    units, unsharded, shard = [], {}, {}
+    if dense:
+        gathered = flat = padding = 0
+        for f in dense:
+            shape, dtype = trace.params[f]
+            shard[f] = _shard_numel(shape, ep)
+            unsharded[f] = math.prod(shape) * dtype.itemsize
+            gathered += ep * shard[f] * dtype.itemsize
+            padding += ep * shard[f] * dtype.itemsize if shape and shape[0] % ep else 0
+        flat = gathered
+        units = [_Unit(None, gathered, frozenset(dense), flat, flat + padding - gathered)]
     out = []
     for r in range(ep):
         held = set(experts[r * per:(r + 1) * per])
-        local = {f: math.prod(shape) for f, (shape, _) in trace.params.items()
+        local = {f: shard.get(f, math.prod(shape)) for f, (shape, _) in trace.params.items()
                  if expert_of(_module_of(f)) in held | {None}}
         mine = [b * ep if expert_of(t.module) in held else 0 if expert_of(t.module) else b
                 for b, t in zip(saved, trace.saved)]
-        out.append(replay_memory(trace, local, mine, cfg, accumulate=True))
+        out.append(replay_memory(trace, local, mine, cfg, units, unsharded, accumulate=True))
     return out

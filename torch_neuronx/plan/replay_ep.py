@@ -86,11 +86,33 @@ def _owner(o, experts: list, counts: dict) -> list | None:
     return [e for e in experts if counts[e] == c]
 
 
-def replay_ep(trace, ep: int, names, cfg, nodes: int) -> Replay:
-    """One Replay per rank (``.stages``); returned: the slowest rank's."""
+def _fsdp_dense(trace, ep: int, fsdp: int, units, experts: list) -> dict:
+    """With ``fsdp`` > 1, FSDP2 over the same ranks as EP (TorchTitan's dp_shard = ep) on the
+    root, the experts ignored (EP holds them): the non-expert parameters it shards."""
+    if fsdp != ep:
+        raise ValueError(f"replay: ep={ep} with fsdp={fsdp}: FSDP2 over the same ranks as "
+                         f"expert parallelism (fsdp = ep) is replayed")
+    if list(units or []) != [""]:
+        raise ValueError(f"replay: ep with fsdp replays FSDP2 on the root only "
+                         f"(fsdp_units=[''], the experts ignored: expert parallelism holds "
+                         f"them), not fsdp_units={units!r}")
+    return {f: v for f, v in trace.params.items() if not any(f.startswith(e + ".")
+                                                              for e in experts)}
+
+
+def replay_ep(trace, ep: int, names, cfg, nodes: int, fsdp: int = 1,
+              fsdp_units=None) -> Replay:
+    """One Replay per rank (``.stages``); returned: the slowest rank's. ``fsdp`` = ep with
+    ``fsdp_units`` [""]: FSDP2 shards the non-expert parameters over the same ranks (their
+    all-gather in forward and reduce-scatter in backward replace the all-reduces)."""
     from ..cost_model import copy_seconds, op_seconds
     from ..distributed.collectives_model import collective_seconds
+    from .replay import _shard_shape
+    from .replay_fsdp import _FsdpComm, _FsdpGroups
     experts = _experts(trace, ep, names)
+    dense = _fsdp_dense(trace, ep, fsdp, fsdp_units, experts) if fsdp > 1 else None
+    comm = (_FsdpComm(trace, [""], dense, _FsdpGroups(fsdp, nodes, 1, 1), cfg, None)
+            if dense is not None else None)
     p, lnc = cfg
     info = {e: _tokens(trace, e) for e in experts}
     counts = {e: info[e][0] for e in experts}
@@ -103,18 +125,26 @@ def replay_ep(trace, ep: int, names, cfg, nodes: int) -> Replay:
     out = []
     for r in range(ep):
         held = experts[r * local:(r + 1) * local]
-        rep = Replay(f"ep={ep} rank={r}")
+        rep = Replay(f"ep={ep}" + (f" fsdp={fsdp}" if dense is not None else "") + f" rank={r}")
         owned = {f for f in trace.params
                  if not any(f.startswith(e + ".") for e in experts)
                  or any(f.startswith(e + ".") for e in held)}
 
-        def mine(f, _, n, owned=owned):
-            return n if f in owned else 0
+        def mine(f, shape, n, owned=owned, r=r):
+            if f not in owned:
+                return 0
+            if dense is not None and f in dense and shape:
+                # FSDP2's shard of rank r: dim 0 in chunks of ceil(d0 / fsdp) rows
+                chunk = _shard_shape(shape, fsdp)[0]
+                return max(0, min(chunk, shape[0] - r * chunk)) * (n // shape[0])
+            return n
         chunks = [(counts[e], d) for _ in range(ep) for e in held]
         recv = sum(c for c, _ in chunks)
 
         def coll(op, nbytes):
             rep._collective(op, nbytes, ep, collective_seconds(op, nbytes, ep, nodes, p, lnc))
+        if comm is not None:   # the root's all-gather, in its pre-forward
+            comm.all_gather(rep, "", False)
         coll("all_to_all", len(experts) * 8)   # the counts
         coll("all_to_all", total * row)        # dispatch
         # the split sizes: the counts summed per destination rank, copied to the host
@@ -160,9 +190,12 @@ def replay_ep(trace, ep: int, names, cfg, nodes: int) -> Replay:
                 for _ in range(ep - 1):
                     rep._op("add", f, True, op_seconds(p, lnc, "add", [shape, shape], dt,
                                                        2 * nb, nb)[0])
-        for f, (shape, dt) in trace.params.items():
-            if not any(f.startswith(e + ".") for e in experts):
-                coll("all_reduce", math.prod(shape) * dt.itemsize)
+        if comm is not None:   # the root's reduce-scatter, in its post-backward
+            comm.reduce_scatter(rep, "")
+        else:
+            for f, (shape, dt) in trace.params.items():
+                if not any(f.startswith(e + ".") for e in experts):
+                    coll("all_reduce", math.prod(shape) * dt.itemsize)
         out.append(rep)
     busy = [r.device_seconds + r.collective_seconds for r in out]
     for r, b in zip(out, busy):

@@ -57,8 +57,14 @@ def layouts(trace, devices: int, tp_plan=None, fsdp_units=None, pp_blocks=None,
     the plans allow: tp with ``tp_plan``, pp with ``pp_blocks`` (the blocks in order, split
     evenly into the stages, 1F1B), data parallelism with ``fsdp_units`` (FSDP2 over the
     replicas, HSDP, or FSDP2's replicas; under pp inside the stages); with ``ep_experts``
-    expert parallelism over all the devices (replayed alone)."""
-    out = [{"ep": devices, "ep_experts": ep_experts}] if ep_experts is not None else []
+    expert parallelism over all the devices, alone and (with the root among ``fsdp_units``)
+    with FSDP2 over the same devices on the non-expert parameters."""
+    out = []
+    if ep_experts is not None:
+        out.append({"ep": devices, "ep_experts": ep_experts})
+        if fsdp_units is not None and "" in fsdp_units:
+            out.append({"ep": devices, "ep_experts": ep_experts, "fsdp": devices,
+                        "fsdp_units": [""]})
     for tp in _divisors(devices) if tp_plan else [1]:
         for pp in _divisors(devices // tp) if pp_blocks else [1]:
             d = devices // (tp * pp)
@@ -117,8 +123,10 @@ def sweep(trace, devices: int, tokens: int, *, tp_plan=None, fsdp_units=None, pp
             except ValueError as e:
                 row.reason = str(e)
             else:
-                # expert parallelism's ranks each route a batch of their own
-                replicas = kw.get("replicate", 1) * kw.get("fsdp", 1) * kw.get("ep", 1)
+                # expert parallelism's ranks (FSDP's too, the same ranks) each route a
+                # batch of their own
+                replicas = kw.get("ep", 1) if "ep" in kw else (kw.get("replicate", 1)
+                                                               * kw.get("fsdp", 1))
                 row.replay, row.tokens_per_second = r, r.tokens_per_second(tokens * replicas)
                 row.fits = all(s.memory.fits for s in r.stages or [r])
         ranked.append(row)

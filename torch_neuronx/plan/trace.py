@@ -185,11 +185,12 @@ class StepTrace:
                                                      {"pp", "replicate"},
                                                      {"pp", "replicate", "tp"},
                                                      {"pp", "fsdp", "replicate"},
-                                                     {"pp", "fsdp", "replicate", "tp"}):
+                                                     {"pp", "fsdp", "replicate", "tp"},
+                                                     {"ep", "fsdp"}):
             several = " with ".join(f"{k}={v}" for k, v in degrees.items())
             raise ValueError(f"replay_layout: {several} is not replayed yet; replayed: fsdp, "
                              "tp, dp, pp or ep alone, replicate (with fsdp: HSDP), fsdp or "
-                             "HSDP with pp, each with or without tp")
+                             "HSDP with pp, each with or without tp, and ep with fsdp")
         if mp_policy is not None and fsdp == 1 and replicate == 1:
             raise ValueError("replay_layout: mp_policy is FSDP2's MixedPrecisionPolicy and "
                              "needs fsdp > 1")
@@ -214,7 +215,7 @@ class StepTrace:
                              "it with plan.trace(device, module)")
         if ep > 1:
             from .replay_ep import replay_ep
-            out = replay_ep(self, ep, ep_experts, cfg, nodes)
+            out = replay_ep(self, ep, ep_experts, cfg, nodes, fsdp, fsdp_units)
         elif pp > 1:
             from .replay_pp import replay_pp
             out = replay_pp(self, pp, pp_stages, schedule, microbatches, cfg, nodes, tp,
@@ -229,7 +230,8 @@ class StepTrace:
         from .memory import ep_memory, layout_memory
         if ep > 1:
             from .replay_ep import _experts
-            mems = ep_memory(self, cfg, _experts(self, ep, ep_experts), ep)
+            mems = ep_memory(self, cfg, _experts(self, ep, ep_experts), ep,
+                             fsdp > 1)
         else:
             mems = layout_memory(self, cfg, fsdp=fsdp, fsdp_units=fsdp_units,
                                  replicate=replicate, tp=tp, tp_plan=tp_plan, pp=pp,
