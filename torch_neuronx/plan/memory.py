@@ -272,15 +272,16 @@ def ep_memory(trace, cfg, experts: list, ep: int, fsdp: bool = False) -> list:
     dense = [f for f in trace.params if expert_of(_module_of(f)) is None] if fsdp else []
     units, unsharded, shard = [], {}, {}
     if dense:
-        gathered = flat = padding = 0
+        # as layout_memory's root unit: gathered the whole step, its reduce-scatter's flat
+        # input as large as the gathered parameters, plus padded copies of uneven gradients
+        gathered = padding = 0
         for f in dense:
             shape, dtype = trace.params[f]
             shard[f] = _shard_numel(shape, ep)
             unsharded[f] = math.prod(shape) * dtype.itemsize
             gathered += ep * shard[f] * dtype.itemsize
             padding += ep * shard[f] * dtype.itemsize if shape and shape[0] % ep else 0
-        flat = gathered
-        units = [_Unit(None, gathered, frozenset(dense), flat, flat + padding - gathered)]
+        units = [_Unit(None, gathered, frozenset(dense), gathered, padding)]
     out = []
     for r in range(ep):
         held = set(experts[r * per:(r + 1) * per])

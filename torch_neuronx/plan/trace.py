@@ -470,12 +470,12 @@ def trace(device=None, module: torch.nn.Module | None = None, optimizer=None):
             by_param = {p: n for n, p in named.items()}
             out.param_groups = []
             for group in optimizer.param_groups:
-                out.param_groups.append([by_param[p] for p in group["params"]
-                                         if p in by_param])
+                out.param_groups.append([])
                 for p in group["params"]:
                     if p not in by_param:
                         raise ValueError("plan.trace: the optimizer steps a parameter that is "
                                          "not the traced module's")
+                    out.param_groups[-1].append(by_param[p])
                     out.optimizer_bytes[by_param[p]] = _tensor_bytes(
                         optimizer.state.get(p, {}).values(), dev)
         out.forward_calls = {n: calls.get(m, 0) for n, m in module.named_modules()}
