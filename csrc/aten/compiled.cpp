@@ -93,12 +93,6 @@ void launch_kernel(void* fn, const std::string& name, const std::string& kinds,
     call(fn, words);
     return;
   }
-  // As an eager op: a kernel over a few KiB runs now if the device is idle.
-  constexpr int64_t kSmallBytes = 16384;
-  if (bytes <= kSmallBytes &&
-      queue::run_inline(d, stream, op, [&] { call(fn, words); })) {
-    return;
-  }
   // The tensors ride along so that their memory outlives the kernel, as an eager op's do.
   queue::launch(d, stream, op,
                 [fn, words = std::move(words), tensors = std::move(tensors)] { call(fn, words); },

@@ -12,6 +12,7 @@
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/clone_native.h>
 #include <ATen/ops/view_native.h>
+#include <ATen/native/ConvUtils.h>
 #include <ATen/native/transformers/attention.h>
 #include <ATen/ops/_fused_sdp_choice_native.h>
 #include <ATen/SparseCsrTensorImpl.h>
@@ -314,6 +315,33 @@ std::optional<torch::jit::Stack> sr_convolution(const char* name, A&&... args) {
   return stack;
 }
 
+// The memory format CPU's convolution gives its results for these operands (its backend's
+// choice): a queued convolution's outputs are allocated before the kernel runs. The check of
+// the operands' shapes runs here too, so a bad convolution fails at the call, as on CPU.
+at::MemoryFormat conv_format(const at::Tensor& in, const at::Tensor& w,
+                             const c10::optional<at::Tensor>& bias, c10::IntArrayRef stride,
+                             c10::IntArrayRef padding, c10::IntArrayRef dilation, bool transposed,
+                             c10::IntArrayRef output_padding, int64_t groups,
+                             at::OptionalIntArrayRef bias_sizes) {
+  auto sym = [](c10::IntArrayRef a) { return c10::fromIntArrayRefSlow(a); };
+  auto backend = at::native::select_conv_backend(
+      in, w, bias, sym(stride), sym(padding), sym(dilation), transposed, sym(output_padding),
+      c10::SymInt(groups),
+      bias_sizes ? at::OptionalSymIntArrayRef(sym(*bias_sizes)) : at::OptionalSymIntArrayRef());
+  return in.dim() == 3 ? c10::MemoryFormat::Contiguous
+                       : at::native::_determine_backend_memory_format(in, w, backend);
+}
+
+// Reads and writes of a queued convolution, for the stream checker; none when it is off.
+void check_conv(const char* op, c10::DeviceIndex d, std::initializer_list<at::Tensor> reads,
+                std::initializer_list<at::Tensor> writes) {
+  if (!check::enabled()) return;
+  std::vector<const void*> r, w;
+  for (const auto& t : reads) if (t.defined()) r.push_back(t.storage().data());
+  for (const auto& t : writes) if (t.defined()) w.push_back(t.storage().data());
+  check::on_op(op, d, r, w);
+}
+
 at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& weight,
                                     const c10::optional<at::Tensor>& bias, c10::IntArrayRef stride,
                                     c10::IntArrayRef padding, c10::IntArrayRef dilation,
@@ -323,16 +351,48 @@ at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& w
                               padding, dilation, transposed, output_padding, groups)) {
     return r->back().toTensor();
   }
-  queue::synchronize_all();
-  auto out = at::convolution(cpu_alias(input), cpu_alias(weight), alias_opt(bias), stride,
-                             padding, dilation, transposed, output_padding, groups);
+  const auto d = input.device().index();
   Signature s;
   s.add(input);
   s.add(weight);
+  if (!queue::asynchronous() || check::enabled()) {
+    queue::synchronize_all();
+    auto out = at::convolution(cpu_alias(input), cpu_alias(weight), alias_opt(bias), stride,
+                               padding, dilation, transposed, output_padding, groups);
+    s.add(out);
+    commit(s, "aten::convolution", d, input.scalar_type(), nbytes(input) + nbytes(weight),
+           nbytes(out));
+    check_conv("aten::convolution", d, {input, weight, bias.value_or(at::Tensor())}, {out});
+    return adopt_tensor(out, d);
+  }
+  // Queued like any other op, so the host does not wait for the device (and CPU's parallel
+  // kernel runs on the executor's OpenMP team, not on a second one in the calling thread).
+  auto in_h = cpu_alias(input), w_h = cpu_alias(weight);
+  auto fmt = conv_format(in_h, w_h, alias_opt(bias), stride, padding, dilation, transposed,
+                         output_padding, groups, c10::nullopt);
+  auto sizes = transposed ? at::native::conv_input_size(in_h.sizes(), w_h.sizes(), padding,
+                                                        output_padding, stride, dilation, groups)
+                          : at::native::conv_output_size(in_h.sizes(), w_h.sizes(), padding,
+                                                         stride, dilation);
+  auto out = at::empty(sizes, input.options().memory_format(fmt));
   s.add(out);
-  commit(s, "aten::convolution", input.device().index(), input.scalar_type(),
-         nbytes(input) + nbytes(weight), nbytes(out));
-  return adopt_tensor(out, input.device().index());
+  commit(s, "aten::convolution", d, input.scalar_type(), nbytes(input) + nbytes(weight),
+         nbytes(out));
+  check_conv("aten::convolution", d, {input, weight, bias.value_or(at::Tensor())}, {out});
+  fusion::count_launch();
+  std::vector<int64_t> st(stride.vec()), pad(padding.vec()), dil(dilation.vec()),
+      opad(output_padding.vec());
+  // The work holds aliases taken now, as other launches do: later metadata changes of the
+  // arguments (`t_()`) do not reach it, and the allocator keeps freed blocks out of reuse
+  // until it has run.
+  queue::launch(d, current_stream_id(d), "aten::convolution",
+                [in_h, w_h, b_h = alias_opt(bias), out_h = cpu_alias(out), st, pad, dil,
+                 transposed, opad, groups]() mutable {
+                  out_h.copy_(at::convolution(in_h, w_h, b_h, st, pad, dil, transposed, opad,
+                                              groups));
+                },
+                nbytes(input) + nbytes(weight) + nbytes(out));
+  return out;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable(
@@ -345,19 +405,49 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable
     auto& st = *r;
     return {st[st.size() - 3].toTensor(), st[st.size() - 2].toTensor(), st.back().toTensor()};
   }
-  queue::synchronize_all();
   std::vector<int64_t> bias_sizes{transposed ? weight.size(1) * groups : weight.size(0)};
-  auto [gi, gw, gb] = at::convolution_backward(
-      cpu_alias(grad_output), cpu_alias(input), cpu_alias(weight), bias_sizes, stride, padding,
-      dilation, transposed, output_padding, groups, output_mask);
-  auto d = input.device().index();
+  const auto d = input.device().index();
   Signature s;
   s.add(grad_output);
   s.add(input);
   s.add(weight);
-  commit(s, "aten::convolution_backward", d, input.scalar_type(),
-         nbytes(grad_output) + nbytes(input) + nbytes(weight), nbytes(gi) + nbytes(gw));
-  return {adopt_opt(gi, d), adopt_opt(gw, d), adopt_opt(gb, d)};
+  const int64_t bytes_in = nbytes(grad_output) + nbytes(input) + nbytes(weight);
+  if (!queue::asynchronous() || check::enabled()) {
+    queue::synchronize_all();
+    auto [gi, gw, gb] = at::convolution_backward(
+        cpu_alias(grad_output), cpu_alias(input), cpu_alias(weight), bias_sizes, stride, padding,
+        dilation, transposed, output_padding, groups, output_mask);
+    commit(s, "aten::convolution_backward", d, input.scalar_type(), bytes_in,
+           nbytes(gi) + nbytes(gw));
+    check_conv("aten::convolution_backward", d, {grad_output, input, weight}, {gi, gw, gb});
+    return {adopt_opt(gi, d), adopt_opt(gw, d), adopt_opt(gb, d)};
+  }
+  auto in_h = cpu_alias(input), w_h = cpu_alias(weight);
+  auto fmt = conv_format(in_h, w_h, c10::nullopt, stride, padding, dilation, transposed,
+                         output_padding, groups, bias_sizes);
+  at::Tensor gi, gw, gb;
+  if (output_mask[0]) gi = at::empty(input.sizes(), input.options().memory_format(fmt));
+  if (output_mask[1]) gw = at::empty(weight.sizes(), weight.options().memory_format(fmt));
+  if (output_mask[2]) gb = at::empty(bias_sizes, weight.options());
+  commit(s, "aten::convolution_backward", d, input.scalar_type(), bytes_in,
+         (gi.defined() ? nbytes(gi) : 0) + (gw.defined() ? nbytes(gw) : 0));
+  check_conv("aten::convolution_backward", d, {grad_output, input, weight}, {gi, gw, gb});
+  fusion::count_launch();
+  std::vector<int64_t> st(stride.vec()), pad(padding.vec()), dil(dilation.vec()),
+      opad(output_padding.vec());
+  queue::launch(
+      d, current_stream_id(d), "aten::convolution_backward",
+      [go_h = cpu_alias(grad_output), in_h, w_h, gi_h = alias_opt(gi), gw_h = alias_opt(gw),
+       gb_h = alias_opt(gb), bias_sizes, st, pad, dil, transposed, opad, groups,
+       output_mask]() mutable {
+        auto [ri, rw, rb] = at::convolution_backward(go_h, in_h, w_h, bias_sizes, st, pad, dil,
+                                                     transposed, opad, groups, output_mask);
+        if (gi_h && gi_h->defined()) gi_h->copy_(ri);
+        if (gw_h && gw_h->defined()) gw_h->copy_(rw);
+        if (gb_h && gb_h->defined()) gb_h->copy_(rb);
+      },
+      bytes_in + (gi.defined() ? nbytes(gi) : 0) + (gw.defined() ? nbytes(gw) : 0));
+  return {gi, gw, gb};
 }
 
 // scaled_dot_product_attention picks its kernel through a per-device stub; CPU's choice

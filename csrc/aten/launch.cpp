@@ -661,25 +661,14 @@ bool try_launch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   fusion::count_launch();
   const char* name = schema.operator_name().name.c_str();
   const int64_t stream_id = current_stream_id(a.device);
-  // An op over a few KiB takes less than handing it to the executor thread costs.
-  constexpr int64_t kSmallBytes = 16384;
-  bool ran = a.bytes_in + bytes_out <= kSmallBytes &&
-             queue::run_inline(a.device, stream_id, name, [&] {
-               // Run now: CPU scalars need no snapshot, and the host frees what this holds.
-               torch::jit::Stack s;
-               s.reserve(n + out_alias.size());
-               for (size_t i = 0; i < n; ++i) {
-                 s.push_back(map_tensors((*stack)[base + i], [](const at::Tensor& t) {
-                   return t.device().type() == kDevice ? cpu_alias(t) : t;
-                 }, c10::Device(c10::kCPU)));
-               }
-               run_kernel(*kernel, use_out, plan.fresh, s, out_alias);
-             });
-  std::function<void()> run;
-  if (!ran) run = make_run();
+  // Even work smaller than the hand-over runs on the executor: on the calling thread, a
+  // kernel with a parallel loop (a GEMM, a convolution, a softmax) would start a second
+  // OpenMP team there, and with two teams alive libgomp makes every team's waits sleep
+  // (docs/device.md).
+  std::function<void()> run = make_run();
   stack->erase(stack->begin() + base, stack->end());
   for (auto& r : results) stack->push_back(std::move(r));
-  if (!ran) queue::launch(a.device, stream_id, name, std::move(run), a.bytes_in + bytes_out);
+  queue::launch(a.device, stream_id, name, std::move(run), a.bytes_in + bytes_out);
   return true;
 }
 

@@ -88,28 +88,6 @@ class DeviceQueue {
  public:
   explicit DeviceQueue(c10::DeviceIndex d) : device_(d) {}
 
-  // Runs `run` at once on the calling thread if the device is idle, as the executor would run
-  // it next; false (nothing run) if work is queued or running. Handing a small op over would
-  // cost more than the op (the two threads trading the queue's memory between cores), and
-  // there is nothing queued for it to overtake. The lock keeps the executor and other host
-  // threads out until it is done; an error is still raised at the next wait.
-  bool run_inline(const char* op, int64_t stream, c10::function_ref<void()> run) {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (!items_.empty() || done_.load(std::memory_order_acquire) != launched_ ||
-        failed_.load(std::memory_order_relaxed)) {
-      return false;
-    }
-    uint64_t seq = ++launched_;
-    stream_last_[stream] = seq;
-    Site site;
-    trace::Launch traced;
-    if (trace::on()) traced = trace::on_launch(op, device_, stream);
-    execute(op, site, run, true, traced);
-    executed_.fetch_add(1, std::memory_order_relaxed);
-    done_.store(seq, std::memory_order_release);
-    return true;
-  }
-
   uint64_t launch(const char* op, int64_t stream, std::function<void()> run, int64_t bytes) {
     Item it;
     it.op = op;
@@ -483,11 +461,6 @@ uint64_t launch(c10::DeviceIndex d, int64_t stream, const char* op, std::functio
                 int64_t bytes) {
   close_window(d);
   return get(d).launch(op, stream, std::move(run), bytes);
-}
-
-bool run_inline(c10::DeviceIndex d, int64_t stream, const char* op, c10::function_ref<void()> run) {
-  close_window(d);
-  return get(d).run_inline(op, stream, run);
 }
 
 void synchronize(c10::DeviceIndex d) {

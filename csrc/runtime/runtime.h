@@ -92,9 +92,6 @@ uint64_t launch(c10::DeviceIndex d, int64_t stream, const char* op, std::functio
                 int64_t bytes = 0);
 uint64_t launch_now(c10::DeviceIndex d, int64_t stream, const char* op, std::function<void()> run,
                     int64_t bytes = 0);
-// Work of a few microseconds: run at once on the calling thread if the device is idle
-// (false, and nothing run, if it is busy). Errors are kept for the next wait, as queued ones.
-bool run_inline(c10::DeviceIndex d, int64_t stream, const char* op, c10::function_ref<void()> run);
 void synchronize(c10::DeviceIndex d);
 void synchronize_all();
 void synchronize_stream(c10::DeviceIndex d, int64_t stream);
