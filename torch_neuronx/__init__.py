@@ -95,8 +95,8 @@ _stream_check_from_env()
 from .runtime.queue import _drain_at_exit  # noqa: E402
 from .runtime.queue import _from_environment as _queue_from_env  # noqa: E402
 from .runtime.queue import (adaptive_eager_stats, is_adaptive_eager_enabled,  # noqa: E402
-                            is_launch_blocking, queue_stats, set_adaptive_eager,
-                            set_launch_blocking)
+                            get_device_threads, is_launch_blocking, queue_stats,
+                            set_adaptive_eager, set_device_threads, set_launch_blocking)
 
 _queue_from_env()
 import atexit as _atexit  # noqa: E402
@@ -131,7 +131,7 @@ __all__ = ["modelled_time", "reset_modelled_time", "price_as", "stream_check", "
            "is_launch_blocking", "queue_stats", "adaptive_eager_stats", "set_adaptive_eager",
            "is_adaptive_eager_enabled", "memory_allocated", "max_memory_allocated",
            "memory_reserved", "max_memory_reserved", "reset_peak_memory_stats", "memory_stats",
-           "memory_summary", "empty_cache"]
+           "memory_summary", "empty_cache", "set_device_threads", "get_device_threads"]
 
 
 def _quiet_printing() -> None:

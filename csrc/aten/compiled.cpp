@@ -90,6 +90,7 @@ void launch_kernel(void* fn, const std::string& name, const std::string& kinds,
     // NEURON_LAUNCH_BLOCKING=1, a synchronous region or the stream checker: run it now, as
     // eager ops run then, so that an error is raised by the launch that caused it.
     queue::synchronize(d);
+    queue::HostThreads threads;
     call(fn, words);
     return;
   }

@@ -324,6 +324,7 @@ bool run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     (*stack)[base + gen_slot] = c10::IValue(gen_host);
   }
 
+  queue::HostThreads threads;  // the device's thread count, as if queued
   bool by_policy = false;
   std::vector<c10::IValue> kept;
   if (g_dtype_retry && policy_op(&schema)) kept.assign(stack->end() - n, stack->end());

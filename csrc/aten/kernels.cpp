@@ -357,6 +357,7 @@ at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& w
   s.add(weight);
   if (!queue::asynchronous() || check::enabled()) {
     queue::synchronize_all();
+    queue::HostThreads threads;
     auto out = at::convolution(cpu_alias(input), cpu_alias(weight), alias_opt(bias), stride,
                                padding, dilation, transposed, output_padding, groups);
     s.add(out);
@@ -414,6 +415,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable
   const int64_t bytes_in = nbytes(grad_output) + nbytes(input) + nbytes(weight);
   if (!queue::asynchronous() || check::enabled()) {
     queue::synchronize_all();
+    queue::HostThreads threads;
     auto [gi, gw, gb] = at::convolution_backward(
         cpu_alias(grad_output), cpu_alias(input), cpu_alias(weight), bias_sizes, stride, padding,
         dilation, transposed, output_padding, groups, output_mask);

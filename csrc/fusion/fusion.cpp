@@ -301,7 +301,7 @@ void run_range(const Plan& p, int64_t begin, int64_t end) {
 
 // Eager's split of [0, n) across threads (at::parallel_for with TensorIterator's grain).
 std::vector<std::pair<int64_t, int64_t>> eager_ranges(int64_t n) {
-  int64_t threads = at::get_num_threads();
+  int64_t threads = queue::launch_threads();
   if (n < kGrain || threads == 1) return {{0, n}};
   int64_t tasks = std::min(threads, (n + kGrain - 1) / kGrain);
   int64_t chunk = (n + tasks - 1) / tasks;

@@ -198,6 +198,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_set_launch_blocking", &neuron::queue::set_blocking,
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("_launch_blocking", &neuron::queue::blocking);
+  m.def("_set_device_threads", &neuron::queue::set_device_threads,
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("_device_threads", &neuron::queue::device_threads);
   m.def("_synchronize_all", &neuron::queue::synchronize_all,
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("_enter_sync", &neuron::queue::enter_sync, pybind11::call_guard<pybind11::gil_scoped_release>());

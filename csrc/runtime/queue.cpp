@@ -10,6 +10,7 @@
 #include "runtime.h"
 
 #include <Python.h>
+#include <omp.h>
 #include <pthread.h>
 
 #include <ATen/Parallel.h>
@@ -24,12 +25,18 @@
 #include <thread>
 #include <unordered_map>
 
+// MKL's per-thread count, C interface (libtorch_cpu links MKL in statically and exports it;
+// its lower-case name is the Fortran one, which takes a pointer).
+extern "C" int MKL_Set_Num_Threads_Local(int);
+
 namespace neuron::queue {
 
 namespace {
 
 std::atomic<bool> g_blocking{false};
+std::atomic<int> g_device_threads{0};  // 0: each launch takes its launcher's count
 thread_local int t_sync_depth = 0;
+thread_local bool t_executor = false;  // this thread is a device's executor
 
 Site (*g_capture)() = nullptr;
 std::string (*g_describe)(const Site&) = nullptr;
@@ -94,7 +101,7 @@ class DeviceQueue {
     it.bytes = bytes;
     it.run = std::move(run);
     it.inference = c10::InferenceMode::is_enabled();
-    it.threads = at::get_num_threads();
+    it.threads = launch_threads();
     if (g_capture) it.site = g_capture();
     if (trace::on()) it.traced = trace::on_launch(op, device_, stream);
     std::unique_lock<std::mutex> lk(mu_);
@@ -154,7 +161,8 @@ class DeviceQueue {
       release_gil_while([&] {
         while (!done(seq)) {
           if (host && !running_ && !items_.empty() && items_.front().seq <= seq &&
-              items_.front().bytes < kBigBytes) {
+              items_.front().bytes < kBigBytes &&
+              items_.front().threads == at::get_num_threads()) {
             run_next_locked(lk);
             continue;
           }
@@ -267,6 +275,11 @@ class DeviceQueue {
 
   void loop() {
     executor_id_ = std::this_thread::get_id();
+    t_executor = true;
+    // ATen initialises a thread's counts at its first parallel call, from the process-wide
+    // setting: done now for libtorch's and this library's copies of that check.
+    (void)at::get_num_threads();
+    at::internal::lazy_init_num_threads();
     c10::WarningUtils::set_warning_handler(&collect_);
     for (;;) {
       Item it;
@@ -315,9 +328,15 @@ class DeviceQueue {
   }
 
   void run_item(Item& it) {
-    // Only the executor adopts the count; a waiting host runs work with its own, the same.
-    if (std::this_thread::get_id() == executor_id_ && it.threads != executor_threads_) {
-      at::set_num_threads(it.threads);
+    // Only the executor adopts the count; a waiting host runs only work of its own count.
+    // Checked each time: ATen's first parallel call from each library on this thread
+    // (libtorch, this one, any extension) resets the count to the process-wide setting.
+    if (std::this_thread::get_id() == executor_id_ &&
+        (it.threads != executor_threads_ || omp_get_max_threads() != it.threads)) {
+      // This thread's own counts (OpenMP's is per thread; MKL's local one): at::set_num_threads
+      // would also set MKL's process-wide count, which the host's own CPU work reads.
+      omp_set_num_threads(it.threads);
+      MKL_Set_Num_Threads_Local(it.threads);
       executor_threads_ = it.threads;
     }
     if (it.inference) {
@@ -417,6 +436,32 @@ bool g_atfork = [] {
 
 }  // namespace
 
+int device_threads() { return g_device_threads.load(std::memory_order_relaxed); }
+void set_device_threads(int n) {
+  TORCH_CHECK_VALUE(n >= 0, "set_device_threads: expected a thread count >= 0 (0 follows the "
+                    "launching thread's torch.get_num_threads()), got ", n);
+  synchronize_all();  // work already queued keeps the count it was launched with
+  g_device_threads.store(n);
+}
+HostThreads::HostThreads() {
+  const int n = device_threads();
+  if (n == 0 || t_executor) return;
+  (void)at::get_num_threads();  // ATen's lazy per-thread set-up must not undo this later
+  at::internal::lazy_init_num_threads();
+  if (omp_get_max_threads() == n) return;
+  omp = omp_get_max_threads();
+  omp_set_num_threads(n);
+  mkl = MKL_Set_Num_Threads_Local(n);
+}
+HostThreads::~HostThreads() {
+  if (omp == 0) return;
+  omp_set_num_threads(omp);
+  MKL_Set_Num_Threads_Local(mkl);
+}
+int launch_threads() {
+  const int n = device_threads();
+  return n > 0 ? n : at::get_num_threads();
+}
 bool asynchronous() { return !g_blocking.load(std::memory_order_relaxed) && t_sync_depth == 0; }
 void set_blocking(bool on) {
   if (on) synchronize_all();

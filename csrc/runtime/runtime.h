@@ -73,6 +73,21 @@ struct Site {  // where Python launched a piece of work: a few frames, resolved 
   int n = 0;
 };
 bool asynchronous();  // false under NEURON_LAUNCH_BLOCKING=1 or inside a synchronous region
+// The intra-op thread count queued work runs with, fixed at launch: the device's own count if
+// set (set_device_threads(n > 0)), else the launching thread's torch.get_num_threads().
+// Anything that reproduces a kernel's per-thread split (fusion/) must use it too.
+int launch_threads();
+int device_threads();  // 0: not set
+void set_device_threads(int n);
+// Device work run on the calling thread (synchronous ops, blocking mode) runs with the
+// device's count too, for the same results as when queued.
+struct HostThreads {
+  HostThreads();
+  ~HostThreads();
+  HostThreads(const HostThreads&) = delete;
+  HostThreads& operator=(const HostThreads&) = delete;
+  int omp = 0, mkl = -1;
+};
 bool blocking();
 void set_blocking(bool on);
 void enter_sync();  // host code reading device memory directly (compiled graphs, NKI)

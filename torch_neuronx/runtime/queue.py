@@ -58,6 +58,31 @@ def adaptive_eager_stats(reset: bool = False) -> dict:
             "fused_ops": fused_ops, "one_pass_ops": one_pass_ops}
 
 
+def set_device_threads(n: int | None) -> None:
+    """Give queued work its own intra-op thread count, or ``None`` to follow the launcher.
+
+    By default each op runs on the device with the ``torch.get_num_threads()`` of the thread
+    that launched it, so its results equal CPU's bit for bit. The device's executor runs
+    beside the calling thread: on a host with few cores, a device using every core while
+    Python keeps issuing work oversubscribes them, and its parallel loops wait for threads
+    the scheduler has parked. ``set_device_threads(n)`` runs queued work with ``n`` threads
+    instead (``TORCH_NEURONX_DEVICE_THREADS=n`` at import does the same); results then equal
+    CPU's computed with ``torch.set_num_threads(n)``, which can differ in the last bits from
+    CPU's at another count (parallel reductions, the split of elementwise loops). Waits for
+    queued work first. docs/device.md, "Thread count".
+    """
+    if n is None:
+        n = 0
+    elif isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"set_device_threads: expected a thread count >= 1 or None, got {n!r}")
+    _C._set_device_threads(n)
+
+
+def get_device_threads() -> int | None:
+    """The count ``set_device_threads`` set, or ``None`` when work follows its launcher."""
+    return _C._device_threads() or None
+
+
 def set_adaptive_eager(enabled: bool) -> None:
     """Turn Adaptive Eager fusion on (the default) or off for the process.
 
@@ -75,6 +100,16 @@ def is_adaptive_eager_enabled() -> bool:
 def _from_environment() -> None:
     if os.environ.get("NEURON_LAUNCH_BLOCKING", "0") not in ("", "0"):
         _C._set_launch_blocking(True)
+    threads = os.environ.get("TORCH_NEURONX_DEVICE_THREADS", "")
+    if threads:
+        try:
+            n = int(threads)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ValueError("TORCH_NEURONX_DEVICE_THREADS: expected a thread count >= 1, got "
+                             f"{threads!r}")
+        _C._set_device_threads(n)
 
 
 def _drain_at_exit() -> None:
