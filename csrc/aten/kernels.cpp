@@ -355,15 +355,19 @@ at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& w
   Signature s;
   s.add(input);
   s.add(weight);
+  // Charged and checked once its output exists, whether run now or queued.
+  auto account = [&](const at::Tensor& out) {
+    s.add(out);
+    commit(s, "aten::convolution", d, input.scalar_type(), nbytes(input) + nbytes(weight),
+           nbytes(out));
+    check_conv("aten::convolution", d, {input, weight, bias.value_or(at::Tensor())}, {out});
+  };
   if (!queue::asynchronous() || check::enabled()) {
     queue::synchronize_all();
     queue::HostThreads threads;
     auto out = at::convolution(cpu_alias(input), cpu_alias(weight), alias_opt(bias), stride,
                                padding, dilation, transposed, output_padding, groups);
-    s.add(out);
-    commit(s, "aten::convolution", d, input.scalar_type(), nbytes(input) + nbytes(weight),
-           nbytes(out));
-    check_conv("aten::convolution", d, {input, weight, bias.value_or(at::Tensor())}, {out});
+    account(out);
     return adopt_tensor(out, d);
   }
   // Queued like any other op, so the host does not wait for the device (and CPU's parallel
@@ -376,10 +380,7 @@ at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& w
                           : at::native::conv_output_size(in_h.sizes(), w_h.sizes(), padding,
                                                          stride, dilation);
   auto out = at::empty(sizes, input.options().memory_format(fmt));
-  s.add(out);
-  commit(s, "aten::convolution", d, input.scalar_type(), nbytes(input) + nbytes(weight),
-         nbytes(out));
-  check_conv("aten::convolution", d, {input, weight, bias.value_or(at::Tensor())}, {out});
+  account(out);
   fusion::count_launch();
   std::vector<int64_t> st(stride.vec()), pad(padding.vec()), dil(dilation.vec()),
       opad(output_padding.vec());
@@ -413,15 +414,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable
   s.add(input);
   s.add(weight);
   const int64_t bytes_in = nbytes(grad_output) + nbytes(input) + nbytes(weight);
+  auto account = [&](const at::Tensor& gi, const at::Tensor& gw, const at::Tensor& gb) {
+    commit(s, "aten::convolution_backward", d, input.scalar_type(), bytes_in,
+           (gi.defined() ? nbytes(gi) : 0) + (gw.defined() ? nbytes(gw) : 0));
+    check_conv("aten::convolution_backward", d, {grad_output, input, weight}, {gi, gw, gb});
+  };
   if (!queue::asynchronous() || check::enabled()) {
     queue::synchronize_all();
     queue::HostThreads threads;
     auto [gi, gw, gb] = at::convolution_backward(
         cpu_alias(grad_output), cpu_alias(input), cpu_alias(weight), bias_sizes, stride, padding,
         dilation, transposed, output_padding, groups, output_mask);
-    commit(s, "aten::convolution_backward", d, input.scalar_type(), bytes_in,
-           nbytes(gi) + nbytes(gw));
-    check_conv("aten::convolution_backward", d, {grad_output, input, weight}, {gi, gw, gb});
+    account(gi, gw, gb);
     return {adopt_opt(gi, d), adopt_opt(gw, d), adopt_opt(gb, d)};
   }
   auto in_h = cpu_alias(input), w_h = cpu_alias(weight);
@@ -431,9 +435,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable
   if (output_mask[0]) gi = at::empty(input.sizes(), input.options().memory_format(fmt));
   if (output_mask[1]) gw = at::empty(weight.sizes(), weight.options().memory_format(fmt));
   if (output_mask[2]) gb = at::empty(bias_sizes, weight.options());
-  commit(s, "aten::convolution_backward", d, input.scalar_type(), bytes_in,
-         (gi.defined() ? nbytes(gi) : 0) + (gw.defined() ? nbytes(gw) : 0));
-  check_conv("aten::convolution_backward", d, {grad_output, input, weight}, {gi, gw, gb});
+  account(gi, gw, gb);
   fusion::count_launch();
   std::vector<int64_t> st(stride.vec()), pad(padding.vec()), dil(dilation.vec()),
       opad(output_padding.vec());

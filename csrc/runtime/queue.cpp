@@ -38,6 +38,14 @@ std::atomic<int> g_device_threads{0};  // 0: each launch takes its launcher's co
 thread_local int t_sync_depth = 0;
 thread_local bool t_executor = false;  // this thread is a device's executor
 
+// ATen initialises a thread's counts at its first parallel call, from the process-wide
+// setting: done now for libtorch's and this library's copies of that check, so that a count
+// set on this thread afterwards stays.
+void init_thread_counts() {
+  (void)at::get_num_threads();
+  at::internal::lazy_init_num_threads();
+}
+
 Site (*g_capture)() = nullptr;
 std::string (*g_describe)(const Site&) = nullptr;
 
@@ -223,7 +231,6 @@ class DeviceQueue {
     sleeping_ = false;
     running_ = false;
     executor_id_ = std::thread::id();
-    executor_threads_ = 0;
     waiters_ = 0;
   }
 
@@ -276,10 +283,7 @@ class DeviceQueue {
   void loop() {
     executor_id_ = std::this_thread::get_id();
     t_executor = true;
-    // ATen initialises a thread's counts at its first parallel call, from the process-wide
-    // setting: done now for libtorch's and this library's copies of that check.
-    (void)at::get_num_threads();
-    at::internal::lazy_init_num_threads();
+    init_thread_counts();
     c10::WarningUtils::set_warning_handler(&collect_);
     for (;;) {
       Item it;
@@ -331,13 +335,11 @@ class DeviceQueue {
     // Only the executor adopts the count; a waiting host runs only work of its own count.
     // Checked each time: ATen's first parallel call from each library on this thread
     // (libtorch, this one, any extension) resets the count to the process-wide setting.
-    if (std::this_thread::get_id() == executor_id_ &&
-        (it.threads != executor_threads_ || omp_get_max_threads() != it.threads)) {
+    if (std::this_thread::get_id() == executor_id_ && omp_get_max_threads() != it.threads) {
       // This thread's own counts (OpenMP's is per thread; MKL's local one): at::set_num_threads
       // would also set MKL's process-wide count, which the host's own CPU work reads.
       omp_set_num_threads(it.threads);
       MKL_Set_Num_Threads_Local(it.threads);
-      executor_threads_ = it.threads;
     }
     if (it.inference) {
       c10::InferenceMode guard;
@@ -395,7 +397,6 @@ class DeviceQueue {
   std::atomic<size_t> queued_{0};
   bool started_ = false;
   bool sleeping_ = false;
-  int executor_threads_ = 0;  // the executor's intra-op thread count, as last set
   int waiters_ = 0;
   std::atomic<bool> failed_{false};
   std::atomic<bool> big_{false};  // the executor is running large work
@@ -446,8 +447,7 @@ void set_device_threads(int n) {
 HostThreads::HostThreads() {
   const int n = device_threads();
   if (n == 0 || t_executor) return;
-  (void)at::get_num_threads();  // ATen's lazy per-thread set-up must not undo this later
-  at::internal::lazy_init_num_threads();
+  init_thread_counts();  // ATen's lazy per-thread set-up must not undo this later
   if (omp_get_max_threads() == n) return;
   omp = omp_get_max_threads();
   omp_set_num_threads(n);

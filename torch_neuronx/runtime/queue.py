@@ -69,7 +69,7 @@ def set_device_threads(n: int | None) -> None:
     instead (``TORCH_NEURONX_DEVICE_THREADS=n`` at import does the same); results then equal
     CPU's computed with ``torch.set_num_threads(n)``, which can differ in the last bits from
     CPU's at another count (parallel reductions, the split of elementwise loops). Waits for
-    queued work first. docs/device.md, "Thread count".
+    queued work first. docs/device.md, "The device's own thread count".
     """
     if n is None:
         n = 0
