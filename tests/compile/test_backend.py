@@ -283,3 +283,35 @@ def test_cache_reuse_across_processes(tmp_path):
     ref = (F.silu(torch.ones(8, 16) @ (torch.ones(16, 8) / 16)).sum(-1) * 3).tolist()
     assert runs[1]["val"] == pytest.approx(ref)
     assert (tmp_path / "cache").is_dir()
+
+
+def test_embedding_backward_bitwise_inductor_cpu_when_deterministic():
+    # Inductor's scatter-add (atomic adds in a parallel loop) may order a row's additions
+    # differently run to run; deterministic mode takes ATen's index_put_, and the graphs are
+    # then Inductor-CPU's bit for bit (docs/compile.md).
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(500, 64)
+    ids = torch.randint(0, 500, (8, 64))     # repeated tokens: rows added to more than once
+
+    def grads(dev, backend):
+        e = copy.deepcopy(emb).to(dev)
+        h = torch.nn.Linear(64, 500, bias=False).to(dev)
+        h.weight = e.weight         # tied, as GPT-2's wte and lm_head
+
+        def f(x):
+            return torch.nn.functional.cross_entropy(h(torch.tanh(e(x))).flatten(0, 1),
+                                                     x.flatten())
+        loss = torch.compile(f, backend=backend)(ids.to(dev))
+        loss.backward()
+        return loss.detach().cpu(), e.weight.grad.cpu()
+
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        ref_loss, ref_grad = grads("cpu", "inductor")
+        torch._dynamo.reset()
+        loss, grad = grads(DEV, "neuron")
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert torch.equal(loss, ref_loss)
+    assert torch.equal(grad, ref_grad)
