@@ -32,7 +32,7 @@ int route_composites_to_cpu();
 void route_to_queue(const std::string& qualified);
 bool routed_to_queue(const c10::OperatorName& name);
 // Where CPU has no kernel for the arguments' dtypes but CUDA has, a Python policy
-// (torch_neuronx/cuda_dtypes.py) computes CUDA's result on the host aliases. The hook gets
+// (torch_neuronx/kernels/dtypes.py) computes CUDA's result on the host aliases. The hook gets
 // the op and its stack (arguments at the top, already host aliases); it replaces them with
 // the results and returns true, or returns false to let the CPU error stand. Only the ops
 // named with add_dtype_policy_op reach it.
@@ -41,8 +41,10 @@ void set_dtype_retry(DtypeRetry hook);
 // The same policy asked first, with the device tensors, where an op cannot be queued (no
 // meta kernel takes its dtypes): where CPU's kernel would refuse them anyway, the policy
 // computes with device ops and the host does not wait for the device to find that out.
+// Asked only of the ops added with `ahead`: a hot op (add, lt) would pay a Python call on
+// every synchronous run.
 void set_dtype_ahead(DtypeRetry hook);
-bool add_dtype_policy_op(const std::string& name, const std::string& overload);
+bool add_dtype_policy_op(const std::string& name, const std::string& overload, bool ahead);
 // Ops that had to wait for the device although asynchronous launch was on, by name.
 std::vector<std::pair<std::string, int64_t>> sync_op_counts(bool reset);
 

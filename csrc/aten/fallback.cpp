@@ -185,7 +185,7 @@ void count_sync(const char* name) {
 }
 
 DtypeRetry g_dtype_ahead = nullptr;
-bool policy_op(const void* schema);
+bool ahead_op(const void* schema);
 
 void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
@@ -217,7 +217,7 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (!op.hasTag(at::Tag::inplace_view)) {
     if (queue::asynchronous() && !check::enabled()) {
       if (launch::try_launch(op, stack, &learning)) return;
-      if (g_dtype_ahead && policy_op(&schema) && g_dtype_ahead(op, stack)) {
+      if (g_dtype_ahead && ahead_op(&schema) && g_dtype_ahead(op, stack)) {
         if (learning) launch::refuse(learning);  // as after a policy's synchronous run
         return;
       }
@@ -234,6 +234,7 @@ DtypeRetry g_dtype_retry = nullptr;
 // The schemas of the ops the policy covers: only their arguments are kept for it, since a
 // throwing CPU kernel may already have moved some (int lists) off the stack.
 std::unordered_set<const void*> g_policy_ops;
+std::unordered_set<const void*> g_ahead_ops;  // of those, the ones the policy is asked first
 // A one-load filter in front of the set: the set's hash lookup alone cost ~0.1 us per op
 // in the tiny-op benchmark, and almost no op is a policy op.
 std::bitset<4096> g_policy_filter;
@@ -241,6 +242,7 @@ size_t policy_slot(const void* p) { return (reinterpret_cast<uintptr_t>(p) >> 4)
 bool policy_op(const void* schema) {
   return g_policy_filter.test(policy_slot(schema)) && g_policy_ops.count(schema) > 0;
 }
+bool ahead_op(const void* schema) { return policy_op(schema) && g_ahead_ops.count(schema) > 0; }
 
 bool run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
@@ -425,11 +427,12 @@ bool run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 void set_dtype_retry(DtypeRetry hook) { g_dtype_retry = hook; }
 void set_dtype_ahead(DtypeRetry hook) { g_dtype_ahead = hook; }
 
-bool add_dtype_policy_op(const std::string& name, const std::string& overload) {
+bool add_dtype_policy_op(const std::string& name, const std::string& overload, bool ahead) {
   auto h = c10::Dispatcher::singleton().findSchema({name, overload});
   if (!h) return false;  // a TorchScript-only overload (aten::acos.int): never dispatched here
   g_policy_ops.insert(&h->schema());
   g_policy_filter.set(policy_slot(&h->schema()));
+  if (ahead) g_ahead_ops.insert(&h->schema());
   return true;
 }
 

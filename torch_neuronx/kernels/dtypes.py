@@ -9,7 +9,9 @@ aliases of the device tensors) to :func:`_policy`, which computes CUDA's result:
   as CUDA's kernels compute in their ``opmath`` type and round once;
 * integer ``histc`` uses CUDA's integer bin formula, ``(x - min) * bins // (max - min)``
   in int64, bounds converted to the input dtype as CUDA does;
-* ``abs`` and ``trace`` of bool, and ``nansum`` of complex, follow CUDA's definitions.
+* ``abs`` and ``trace`` of bool, and ``nansum`` of complex, follow CUDA's definitions;
+* uint16/uint32/uint64 ops that CUDA's kernels take compute as C's unsigned integers
+  (``_unsigned``).
 
 The op list comes from PyTorch's OpInfo database (ops whose ``dtypesIfCUDA`` exceed their
 ``dtypes``); ``tests/device/test_cuda_dtypes.py`` regenerates it, so a new torch that adds
@@ -157,6 +159,111 @@ def _nansum_complex(name, overload, args):
     return out
 
 
+_UNSIGNED = (torch.uint16, torch.uint32, torch.uint64)
+_SIGN = -(1 << 63)   # uint64 -> int64 with the unsigned order: flip the top bit
+
+# uint16/uint32/uint64 (PyTorch's "barebones unsigned" dtypes) where CPU's kernels refuse
+# them: those CUDA's kernels take (index_select, flip, random_, full count_nonzero,
+# amin/amax) and those Inductor compiles (arithmetic, comparisons, reductions), so that eager
+# computes what a compiled graph does. uint16/uint32 compute exactly in int64 and wrap back;
+# uint64 is reinterpreted as int64: arithmetic modulo 2**64 and bit operations as they are
+# (``_U64_SAME``), ordering ops with the top bit flipped (``_U64_ORDER``); others refuse it.
+_U64_SAME = frozenset("add sub mul neg bitwise_not bitwise_left_shift __lshift__ __ilshift__ "
+                      "index_select gather scatter index_put masked_fill where flip "
+                      "count_nonzero nonzero".split())
+_U64_ORDER = frozenset("lt le gt ge eq ne minimum maximum amin amax min max argmax argmin "
+                       "topk isin".split())
+_UNSIGNED_OPS = _U64_SAME | _U64_ORDER | frozenset(
+    "floor_divide remainder bitwise_right_shift __rshift__ __irshift__ abs clamp clamp_min "
+    "clamp_max pow bincount searchsorted random".split())
+
+
+def _meta_dtypes(name, overload, args):
+    """The result dtypes of ``aten::name.overload`` on these arguments, from its meta function
+    (None when it has none: data-dependent shapes, whose results are int64 indices)."""
+    def meta(a):
+        return a.to("meta") if isinstance(a, torch.Tensor) else a
+    margs = [[meta(v) for v in a] if isinstance(a, (list, tuple)) else meta(a) for a in args]
+    o, pos, kw = _schema_call(name, overload, margs)
+    try:
+        out = o(*pos, **kw)
+    except NotImplementedError:  # no meta kernel (nonzero, bincount): they return int64
+        return None
+    return [t.dtype if isinstance(t, torch.Tensor) else None
+            for t in (out if isinstance(out, (tuple, list)) else (out,))]
+
+
+def _unsigned(name, overload, args):
+    tensors = [a for a in args if isinstance(a, torch.Tensor)] + [
+        v for a in args if isinstance(a, (list, tuple)) for v in a if isinstance(v, torch.Tensor)]
+    kinds = {t.dtype for t in tensors if t.dtype in _UNSIGNED}
+    base = _base(name)
+    if not kinds:
+        return None
+    if torch.uint64 in kinds and base not in _U64_SAME | _U64_ORDER:
+        raise NotImplementedError(
+            f"aten::{name} of uint64 on neuron: CPU has no kernel, and through int64 only "
+            f"modular arithmetic, bit operations and ordering are exact ({name} differs on "
+            f"values >= 2**63); use uint32 or int64")
+    order = base in _U64_ORDER
+
+    def widen(a):
+        if not isinstance(a, torch.Tensor) or a.dtype not in _UNSIGNED:
+            return a
+        if a.dtype != torch.uint64:
+            return a.to(torch.int64)
+        w = a.view(torch.int64)
+        return w ^ _SIGN if order else w.clone()
+
+    op = _schema_call(name, overload, args)[0]
+    flip = order and torch.uint64 in kinds
+    types = [str(a.type) for a in op._schema.arguments]
+
+    def number(i, v):
+        return (types[i] in ("number", "Optional[number]", "Tensor")
+                and isinstance(v, (int, float)) and not isinstance(v, bool))
+
+    def scalar(i, v):   # a Scalar operand (or a wrapped number: `x % 5` reaches remainder.Tensor)
+        if flip and isinstance(v, int):
+            v = (v % (1 << 64)) - (1 << 63)   # in the flipped order of uint64
+        return torch.tensor(v) if types[i] == "Tensor" else v
+
+    wide = [[widen(v) for v in a] if isinstance(a, (list, tuple)) else
+            scalar(i, a) if number(i, a) else widen(a) for i, a in enumerate(args)]
+    args = [torch.tensor(a) if number(i, a) and types[i] == "Tensor" else a
+            for i, a in enumerate(args)]
+    op, pos, kw = _schema_call(name, overload, wide)
+    dtypes = _meta_dtypes(name, overload, args) if base != "random" else None
+    out = op(*pos, **kw)
+
+    def narrow(r, dtype):
+        if not isinstance(r, torch.Tensor) or dtype is None or r.dtype == dtype:
+            return r
+        if dtype == torch.uint64:
+            return (r ^ _SIGN if order else r).view(torch.uint64)
+        return r.to(dtype)
+
+    for i in _write_args(op):   # in-place and out= forms: the caller's tensor gets the bits
+        t, w = args[i], wide[i]
+        if isinstance(t, torch.Tensor) and t is not w:
+            if t.shape != w.shape:
+                t.resize_(w.shape)
+            t.copy_(narrow(w, t.dtype))
+    rets = op._schema.returns
+    outs = out if len(rets) > 1 else (out,)
+    written = set(_write_args(op))
+    fixed = []
+    for j, (r, ret) in enumerate(zip(outs, rets)):
+        alias = ret.alias_info
+        if alias is not None and alias.is_write:
+            r = next(args[i] for i in written
+                     if op._schema.arguments[i].alias_info.before_set == alias.before_set)
+        elif dtypes is not None:
+            r = narrow(r, dtypes[j])
+        fixed.append(r)
+    return fixed[0] if len(rets) == 1 else tuple(fixed)
+
+
 _SPECIAL = {"histc": _histc_int, "abs": _abs_bool, "trace": _trace, "nansum": _nansum_complex}
 
 
@@ -194,8 +301,17 @@ def _policy_ahead(name: str, overload: str, args: tuple):
         return _policy(name, overload, args)
 
 
+def _base(name: str) -> str:
+    """``add`` for ``add_``; dunder names (``__lshift__``) as they are."""
+    return name[:-1] if name.endswith("_") and not name.endswith("__") else name
+
+
 def _policy(name: str, overload: str, args: tuple):
     base = name.split("::", 1)[1]
+    if _base(base) in _UNSIGNED_OPS:
+        got = _unsigned(base, overload, list(args))
+        if got is not None:
+            return got
     rule = _SPECIAL.get(base)
     if rule is not None:
         return rule(base, overload, list(args))
@@ -227,13 +343,14 @@ def _register():
     for name in _FFT:
         op = getattr(torch.ops.aten, name).default
         _autograd_lib.impl(op, _fft_wrapper(op), "AutogradPrivateUse1")
-    for base in sorted(_UPCAST | set(_SPECIAL)):
+    for base in sorted(_UPCAST | set(_SPECIAL) | _UNSIGNED_OPS):
         for name in (base, base + "_"):
             packet = getattr(torch.ops.aten, name, None)
             if packet is None:
                 continue
             for overload in packet.overloads():
-                _C._add_dtype_policy_op("aten::" + name, "" if overload == "default" else overload)
+                _C._add_dtype_policy_op("aten::" + name, "" if overload == "default" else overload,
+                                        base in _SPECIAL)
     _C._set_dtype_policy(_policy)
     _C._set_dtype_policy_ahead(_policy_ahead)
 
