@@ -31,6 +31,12 @@ def _register() -> None:
     from . import neuron as device_module
     if getattr(torch, "neuron", None) is not device_module:
         torch._register_device_module("neuron", device_module)
+        # `import torch.neuron.memory` (as `import torch.cuda.memory`) must find these
+        # modules, not load second copies whose relative imports point into torch.
+        import sys
+        for name, mod in list(sys.modules.items()):
+            if name.startswith(device_module.__name__ + "."):
+                sys.modules["torch.neuron" + name[len(device_module.__name__):]] = mod
         torch.utils.generate_methods_for_privateuse1_backend(
             for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)
     _C._route_composites_to_cpu()

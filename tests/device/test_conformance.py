@@ -29,8 +29,7 @@ _CUDA_ONLY = {
                  "LongStorage", "LongTensor", "ShortStorage", "ShortTensor")},
     "CUDAGraph": "torch.neuron.NeuronGraph (a torch.accelerator.Graph) is the counterpart",
     **{n: "pluggable/caching allocator internals and memory pools of the CUDA caching allocator"
-       for n in ("CUDAPluggableAllocator", "MemPool", "caching_allocator_alloc",
-                 "caching_allocator_delete", "caching_allocator_disabled",
+       for n in ("CUDAPluggableAllocator", "MemPool", "caching_allocator_disabled",
                  "caching_allocator_enable", "change_current_allocator", "get_allocator_backend",
                  "use_mem_pool")},
     **{n: "pinned host-allocator statistics of CUDA's host caching allocator"
@@ -42,11 +41,11 @@ _CUDA_ONLY = {
                  "current_solver_handle", "get_stream_from_external", "get_gencode_flags",
                  "ipc_collect", "has_half", "has_magma")},
     **{n: "NVML telemetry of a physical GPU; the virtual core has none"
-       for n in ("clock_rate", "device_memory_used", "list_gpu_processes", "memory_usage",
+       for n in ("clock_rate", "list_gpu_processes", "memory_usage",
                  "power_draw", "temperature", "utilization")},
-    **{n: "CUDA-specific submodule (NVTX, NCCL, jiterator, TunableOp, cuSPARSE, profiler, amp "
-          "shim); torch.autocast('neuron') and torch.profiler cover the device"
-       for n in ("amp", "jiterator", "nccl", "nvtx", "profiler", "sparse", "tunable")},
+    **{n: "CUDA-specific submodule (NVTX, NCCL, jiterator, TunableOp, cuSPARSE, profiler); "
+          "torch.profiler covers the device"
+       for n in ("jiterator", "nccl", "nvtx", "profiler", "sparse", "tunable")},
 }
 
 
@@ -61,6 +60,81 @@ def test_every_cuda_name_has_a_counterpart_or_a_reason(module):
     assert not missing, f"{module} names without a torch.neuron counterpart: {missing}"
     stale = sorted(n for n in _CUDA_ONLY if n in names and hasattr(torch.neuron, n))
     assert not stale, f"listed as CUDA-only but torch.neuron has them: {stale}"
+
+
+def test_submodules_import_as_cuda_s_do():
+    # `import torch.cuda.memory` works; the same spelling finds torch.neuron's own modules
+    import importlib
+    for name in ("memory", "random", "streams", "graphs", "amp"):
+        mod = importlib.import_module(f"torch.neuron.{name}")
+        assert mod is getattr(torch.neuron, name)
+    import torch.neuron.memory as memory
+    memory.set_per_process_memory_fraction(0.5)
+    try:
+        assert torch.neuron.get_per_process_memory_fraction() == 0.5
+    finally:
+        memory.set_per_process_memory_fraction(1.0)
+
+
+def test_cuda_amp_spellings_warn_and_are_torch_amp_on_neuron():
+    m = torch.nn.Linear(8, 4).to(DEV)
+    x = torch.randn(2, 8, device=DEV)
+    with pytest.warns(FutureWarning, match="torch.amp.autocast"):
+        ctx = torch.neuron.amp.autocast()
+    with ctx:
+        y = m(x)
+    with torch.autocast(DEV):
+        want = m(x)
+    assert y.dtype == want.dtype == torch.bfloat16 and torch.equal(y, want)
+    with pytest.warns(FutureWarning, match="torch.amp.GradScaler"):
+        scaler = torch.neuron.amp.GradScaler(init_scale=8.0)
+    assert isinstance(scaler, torch.amp.GradScaler) and scaler.get_scale() == 8.0
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler.scale(m(x).float().sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 8.0       # finite grads: no backoff, growth after 2000 steps
+
+    with pytest.warns(FutureWarning):
+        class Square(torch.autograd.Function):
+            @staticmethod
+            @torch.neuron.amp.custom_fwd(cast_inputs=torch.float32)
+            def forward(ctx, a):
+                ctx.save_for_backward(a)
+                return a * a
+
+            @staticmethod
+            @torch.neuron.amp.custom_bwd
+            def backward(ctx, g):
+                (a,) = ctx.saved_tensors
+                return 2 * a * g
+    a = torch.randn(4, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autocast(DEV):
+        out = Square.apply(a)
+    assert out.dtype == torch.float32      # cast_inputs ran forward in fp32 under autocast
+    out.sum().backward()
+    assert a.grad is not None
+
+
+def test_caching_allocator_alloc_and_delete():
+    torch.neuron.synchronize()
+    before = torch.neuron.memory_allocated()
+    ptr = torch.neuron.caching_allocator_alloc(1 << 20)
+    assert ptr != 0 and torch.neuron.memory_allocated() - before >= 1 << 20
+    s = torch.neuron.Stream()
+    ptr2 = torch.neuron.caching_allocator_alloc(4096, stream=s)
+    torch.neuron.caching_allocator_delete(ptr)
+    torch.neuron.caching_allocator_delete(ptr2)
+    assert torch.neuron.memory_allocated() == before
+    assert torch.neuron.caching_allocator_alloc(0) == 0
+    torch.neuron.caching_allocator_delete(0)
+    with pytest.raises(RuntimeError, match="not an address caching_allocator_alloc returned"):
+        torch.neuron.caching_allocator_delete(ptr)
+    with pytest.raises(TypeError, match="byte count"):
+        torch.neuron.caching_allocator_alloc(-1)
+    free, total = torch.neuron.mem_get_info()
+    assert torch.neuron.device_memory_used() == total - free
+    assert torch.neuron.OutOfMemoryError is torch.OutOfMemoryError
 
 
 def test_stream_and_event_methods_match_cuda():

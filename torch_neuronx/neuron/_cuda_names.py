@@ -104,6 +104,49 @@ def is_tf32_supported() -> bool:
     return False
 
 
+OutOfMemoryError = torch.OutOfMemoryError  # as torch.cuda.OutOfMemoryError
+
+# Raw blocks handed out by caching_allocator_alloc, by address: each stays alive (and
+# counted in memory_allocated) until caching_allocator_delete.
+_raw_blocks: dict = {}
+
+
+def caching_allocator_alloc(size: int, device=None, stream=None) -> int:
+    """``size`` bytes from the device's caching allocator, on ``stream`` (the device's current
+    stream by default); returns the block's address, 0 for ``size`` 0, as CUDA's."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise TypeError(f"caching_allocator_alloc: expected a byte count (int >= 0), got {size!r}")
+    idx = _index(device)
+    if size == 0:
+        return 0
+    from . import streams
+    s = stream if stream is not None else streams.current_stream(idx)
+    if not isinstance(s, streams.Stream) or s.device_index != idx:
+        raise TypeError(f"caching_allocator_alloc: stream must be a torch.neuron.Stream of "
+                        f"neuron:{idx}, got {s!r}")
+    with streams.stream(s):
+        block = torch.UntypedStorage(size, device=torch.device("neuron", idx))
+    _raw_blocks[block.data_ptr()] = block
+    return block.data_ptr()
+
+
+def caching_allocator_delete(mem_ptr: int) -> None:
+    """Returns a block from ``caching_allocator_alloc`` to the allocator (0 is ignored)."""
+    if mem_ptr == 0:
+        return
+    if _raw_blocks.pop(mem_ptr, None) is None:
+        raise RuntimeError(f"caching_allocator_delete: {mem_ptr:#x} is not an address "
+                           "caching_allocator_alloc returned, or it was deleted already")
+
+
+def device_memory_used(device=None) -> int:
+    """Device memory in use, as nvidia-smi reports it for CUDA: the modelled HBM less what is
+    free (``mem_get_info``)."""
+    from .memory import mem_get_info
+    free, total = mem_get_info(device)
+    return total - free
+
+
 class _DefaultGenerators(collections.abc.Sequence):
     """``torch.neuron.default_generators``: one generator per visible device, as CUDA's."""
 
@@ -120,7 +163,8 @@ class _DefaultGenerators(collections.abc.Sequence):
 
 default_generators = _DefaultGenerators()
 
-__all__ = ["can_device_access_peer", "default_generators", "get_arch_list",
+__all__ = ["OutOfMemoryError", "caching_allocator_alloc", "caching_allocator_delete",
+           "can_device_access_peer", "default_generators", "device_memory_used", "get_arch_list",
            "get_per_process_memory_fraction", "get_sync_debug_mode",
            "is_tf32_supported", "max_memory_cached", "memory_cached", "memory_stats_as_nested_dict",
            "reset_max_memory_allocated", "reset_max_memory_cached", "set_sync_debug_mode"]
