@@ -62,6 +62,13 @@ def test_every_cuda_name_has_a_counterpart_or_a_reason(module):
     assert not stale, f"listed as CUDA-only but torch.neuron has them: {stale}"
 
 
+def test_torch_neuron_memory_holds_what_torch_cuda_memory_does():
+    missing = sorted(n for n in torch.cuda.memory.__all__
+                     if hasattr(torch.neuron, n) and not hasattr(torch.neuron.memory, n))
+    assert not missing, missing
+    assert torch.neuron.memory.memory_stats_as_nested_dict is torch.neuron.memory_stats_as_nested_dict
+
+
 def test_submodules_import_as_cuda_s_do():
     # `import torch.cuda.memory` works; the same spelling finds torch.neuron's own modules
     import importlib

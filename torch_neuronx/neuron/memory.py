@@ -223,3 +223,18 @@ def _dump_snapshot(filename="dump_snapshot.pickle", augment_with_fx_traces: bool
     s = _snapshot(augment_with_fx_traces=augment_with_fx_traces)
     with open(filename, "wb") as f:
         pickle.dump(s, f)
+
+
+# `torch.cuda.memory` also holds the deprecated aliases and the raw-block calls; here they live
+# in `_cuda_names` (which imports this module), and are found on first use.
+_FROM_CUDA_NAMES = frozenset({
+    "caching_allocator_alloc", "caching_allocator_delete", "get_per_process_memory_fraction",
+    "max_memory_cached", "memory_cached", "memory_stats_as_nested_dict",
+    "reset_max_memory_allocated", "reset_max_memory_cached"})
+
+
+def __getattr__(name):
+    if name in _FROM_CUDA_NAMES:
+        from . import _cuda_names
+        return getattr(_cuda_names, name)
+    raise AttributeError(f"module 'torch.neuron.memory' has no attribute {name!r}")
