@@ -1079,5 +1079,29 @@ def scenario_dtensor_random():
     print("dtensor random ok", RANK, flush=True)
 
 
+def scenario_device_id():
+    """`init_process_group(device_id=...)` with no backend named, as recent PyTorch guides
+    write it, then a 2-D mesh (its subgroups) and an FSDP2 step on it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group(device_id=DEV, timeout=timedelta(seconds=60))
+    assert dist.get_backend() == "neuron", dist.get_backend()
+    x = rank_tensor(RANK).to(DEV)
+    dist.all_reduce(x)
+    close(x, sum(rank_tensor(r) for r in range(WORLD)).to(DEV), what="all_reduce")
+    mesh = init_device_mesh("neuron", (1, WORLD), mesh_dim_names=("dp", "shard"))
+    y = torch.full((2,), float(RANK), device=DEV)
+    dist.all_reduce(y, group=mesh["shard"].get_group())
+    close(y, torch.full((2,), float(sum(range(WORLD))), device=DEV), what="mesh subgroup")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).to(DEV)
+    fully_shard(model, mesh=mesh["shard"])
+    model(torch.randn(4, 8, device=DEV)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    dist.destroy_process_group()
+    print("device_id ok", RANK, flush=True)
+
+
 if __name__ == "__main__":
     globals()["scenario_" + sys.argv[1]](*sys.argv[2:])

@@ -213,3 +213,11 @@ def test_dtensor_random_ops_give_each_shard_its_part_of_one_stream():
     # random init equals the unsharded one on a single device, bit for bit.
     out = _launch.run("dtensor_random", 2, timeout=180)
     assert all("dtensor random ok" in o for _, o in out), out
+
+
+def test_init_with_device_id_and_no_backend_name():
+    # `init_process_group(device_id=...)` asks the group for its per-device backend object;
+    # the "neuron" group answers as its own backend (it had raised "No backend type
+    # associated with device type neuron")
+    out = _launch.run("device_id", 2, timeout=180)
+    assert all("device_id ok" in o for _, o in out), out

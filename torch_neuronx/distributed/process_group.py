@@ -108,6 +108,21 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     def _get_backend_name(self) -> str:
         return "neuron"
 
+    # torch.distributed asks a group for its per-device backend object
+    # (`init_process_group(device_id=...)`, DeviceMesh, FSDP2); this group is that object for
+    # both device types it serves, and answers as a backend without communicator splitting
+    # or its own tensor allocator does.
+    supports_splitting = False
+
+    def _get_backend(self, device) -> "ProcessGroupNeuron":
+        kind = torch.device(device).type
+        if kind not in ("neuron", "cpu"):
+            raise RuntimeError(f"No backend type associated with device type {kind}")
+        return self
+
+    def supports_tensor_alloc(self, device) -> bool:
+        return False
+
     def setGroupName(self, name: str) -> None:
         self._group_name = name
 
