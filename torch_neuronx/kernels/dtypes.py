@@ -10,7 +10,8 @@ aliases of the device tensors) to :func:`_policy`, which computes CUDA's result:
 * integer ``histc`` uses CUDA's integer bin formula, ``(x - min) * bins // (max - min)``
   in int64, bounds converted to the input dtype as CUDA does;
 * ``abs`` and ``trace`` of bool, and ``nansum`` of complex, follow CUDA's definitions;
-* uint16/uint32/uint64 ops that CUDA's kernels take compute as C's unsigned integers
+* uint16/uint32/uint64 ops CPU refuses (those CUDA's kernels take, and the arithmetic,
+  comparisons and reductions Inductor compiles) compute as C's unsigned integers
   (``_unsigned``).
 
 The op list comes from PyTorch's OpInfo database (ops whose ``dtypesIfCUDA`` exceed their
