@@ -8,6 +8,7 @@ from __future__ import annotations
 import inspect
 import pickle
 import sys
+import warnings
 
 import torch
 
@@ -225,16 +226,79 @@ def _dump_snapshot(filename="dump_snapshot.pickle", augment_with_fx_traces: bool
         pickle.dump(s, f)
 
 
-# `torch.cuda.memory` also holds the deprecated aliases and the raw-block calls; here they live
-# in `_cuda_names` (which imports this module), and are found on first use.
-_FROM_CUDA_NAMES = frozenset({
-    "caching_allocator_alloc", "caching_allocator_delete", "get_per_process_memory_fraction",
-    "max_memory_cached", "memory_cached", "memory_stats_as_nested_dict",
-    "reset_max_memory_allocated", "reset_max_memory_cached"})
+
+def memory_cached(device=None) -> int:
+    """Deprecated CUDA alias of ``memory_reserved``."""
+    warnings.warn("torch.neuron.memory_cached has been renamed to memory_reserved",
+                  FutureWarning, stacklevel=2)
+    return memory_reserved(device)
 
 
-def __getattr__(name):
-    if name in _FROM_CUDA_NAMES:
-        from . import _cuda_names
-        return getattr(_cuda_names, name)
-    raise AttributeError(f"module 'torch.neuron.memory' has no attribute {name!r}")
+def max_memory_cached(device=None) -> int:
+    """Deprecated CUDA alias of ``max_memory_reserved``."""
+    warnings.warn("torch.neuron.max_memory_cached has been renamed to max_memory_reserved",
+                  FutureWarning, stacklevel=2)
+    return max_memory_reserved(device)
+
+
+def reset_max_memory_allocated(device=None) -> None:
+    """As CUDA's: resets every peak statistic (it is ``reset_peak_memory_stats``)."""
+    warnings.warn("torch.neuron.reset_max_memory_allocated now calls reset_peak_memory_stats, "
+                  "which resets all peak memory stats.", FutureWarning, stacklevel=2)
+    reset_peak_memory_stats(device)
+
+
+def reset_max_memory_cached(device=None) -> None:
+    warnings.warn("torch.neuron.reset_max_memory_cached now calls reset_peak_memory_stats, "
+                  "which resets all peak memory stats.", FutureWarning, stacklevel=2)
+    reset_peak_memory_stats(device)
+
+
+def memory_stats_as_nested_dict(device=None) -> dict:
+    """``memory_stats`` before flattening: ``"a.b.c"`` keys become nested dicts."""
+    out: dict = {}
+    for key, value in memory_stats(device).items():
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def get_per_process_memory_fraction(device=None) -> float:
+    """The fraction set by ``set_per_process_memory_fraction`` (1.0 when none was set)."""
+    return _fractions.get(_index(device), 1.0)
+
+
+# Raw blocks handed out by caching_allocator_alloc, by address: each stays alive (and
+# counted in memory_allocated) until caching_allocator_delete.
+_raw_blocks: dict = {}
+
+
+def caching_allocator_alloc(size: int, device=None, stream=None) -> int:
+    """``size`` bytes from the device's caching allocator, on ``stream`` (the device's current
+    stream by default); returns the block's address, 0 for ``size`` 0, as CUDA's."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise TypeError(f"caching_allocator_alloc: expected a byte count (int >= 0), got {size!r}")
+    idx = _index(device)
+    if size == 0:
+        return 0
+    from . import streams
+    s = stream if stream is not None else streams.current_stream(idx)
+    if not isinstance(s, streams.Stream) or s.device_index != idx:
+        raise TypeError(f"caching_allocator_alloc: stream must be a torch.neuron.Stream of "
+                        f"neuron:{idx}, got {s!r}")
+    with streams.stream(s):
+        block = torch.UntypedStorage(size, device=torch.device("neuron", idx))
+    _raw_blocks[block.data_ptr()] = block
+    return block.data_ptr()
+
+
+def caching_allocator_delete(mem_ptr: int) -> None:
+    """Returns a block from ``caching_allocator_alloc`` to the allocator (0 is ignored)."""
+    if mem_ptr == 0:
+        return
+    if _raw_blocks.pop(mem_ptr, None) is None:
+        raise RuntimeError(f"caching_allocator_delete: {mem_ptr:#x} is not an address "
+                           "caching_allocator_alloc returned, or it was deleted already")
