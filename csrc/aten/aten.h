@@ -35,7 +35,7 @@ bool routed_to_queue(const c10::OperatorName& name);
 // (torch_neuronx/kernels/dtypes.py) computes CUDA's result on the host aliases. The hook gets
 // the op and its stack (arguments at the top, already host aliases); it replaces them with
 // the results and returns true, or returns false to let the CPU error stand. Only the ops
-// named with add_dtype_policy_op reach it.
+// named with add_dtype_policy_op reach it, and only with an argument of a dtype named there.
 using DtypeRetry = bool (*)(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 void set_dtype_retry(DtypeRetry hook);
 // The same policy asked first, with the device tensors, where an op cannot be queued (no
@@ -44,7 +44,8 @@ void set_dtype_retry(DtypeRetry hook);
 // Asked only of the ops added with `ahead`: a hot op (add, lt) would pay a Python call on
 // every synchronous run.
 void set_dtype_ahead(DtypeRetry hook);
-bool add_dtype_policy_op(const std::string& name, const std::string& overload, bool ahead);
+bool add_dtype_policy_op(const std::string& name, const std::string& overload, bool ahead,
+                         const std::vector<c10::ScalarType>& dtypes);
 // Ops that had to wait for the device although asynchronous launch was on, by name.
 std::vector<std::pair<std::string, int64_t>> sync_op_counts(bool reset);
 

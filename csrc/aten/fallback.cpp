@@ -231,18 +231,45 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 }
 
 DtypeRetry g_dtype_retry = nullptr;
-// The schemas of the ops the policy covers: only their arguments are kept for it, since a
-// throwing CPU kernel may already have moved some (int lists) off the stack.
-std::unordered_set<const void*> g_policy_ops;
+// The schemas of the ops the policy covers, each with the argument dtypes (a bit per
+// ScalarType) it takes: only then are the arguments kept for it, since a throwing CPU kernel
+// may already have moved some (int lists) off the stack. The mask keeps hot ops (add, exp)
+// from copying their arguments on every synchronous run for a uint16 or complex32 rule.
+std::unordered_map<const void*, uint64_t> g_policy_ops;
 std::unordered_set<const void*> g_ahead_ops;  // of those, the ones the policy is asked first
-// A one-load filter in front of the set: the set's hash lookup alone cost ~0.1 us per op
-// in the tiny-op benchmark, and almost no op is a policy op.
+// A one-load filter in front of the map: its hash lookup alone cost ~0.1 us per op in the
+// tiny-op benchmark, and almost no op is a policy op.
 std::bitset<4096> g_policy_filter;
 size_t policy_slot(const void* p) { return (reinterpret_cast<uintptr_t>(p) >> 4) & 4095; }
-bool policy_op(const void* schema) {
-  return g_policy_filter.test(policy_slot(schema)) && g_policy_ops.count(schema) > 0;
+uint64_t policy_dtypes(const void* schema) {
+  if (!g_policy_filter.test(policy_slot(schema))) return 0;
+  auto it = g_policy_ops.find(schema);
+  return it == g_policy_ops.end() ? 0 : it->second;
 }
-bool ahead_op(const void* schema) { return policy_op(schema) && g_ahead_ops.count(schema) > 0; }
+bool ahead_op(const void* schema) {
+  return policy_dtypes(schema) != 0 && g_ahead_ops.count(schema) > 0;
+}
+bool has_dtype(const c10::IValue& v, uint64_t mask) {
+  auto in = [mask](const at::Tensor& t) {
+    return t.defined() && ((mask >> static_cast<int>(t.scalar_type())) & 1);
+  };
+  if (v.isTensor()) return in(v.toTensor());
+  if (v.isList()) {
+    for (const c10::IValue& e : v.toListRef()) {
+      if (e.isTensor() && in(e.toTensor())) return true;
+    }
+  }
+  return false;
+}
+// Whether the policy could take these arguments (`args`, the top `n` of the stack).
+bool policy_takes(const void* schema, const c10::IValue* args, size_t n) {
+  const uint64_t mask = policy_dtypes(schema);
+  if (mask == 0) return false;
+  for (size_t i = 0; i < n; ++i) {
+    if (has_dtype(args[i], mask)) return true;
+  }
+  return false;
+}
 
 bool run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
@@ -329,7 +356,9 @@ bool run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   queue::HostThreads threads;  // the device's thread count, as if queued
   bool by_policy = false;
   std::vector<c10::IValue> kept;
-  if (g_dtype_retry && policy_op(&schema)) kept.assign(stack->end() - n, stack->end());
+  if (g_dtype_retry && policy_takes(&schema, stack->data() + base, n)) {
+    kept.assign(stack->end() - n, stack->end());
+  }
   auto retry = [&] {
     if (kept.empty()) return false;
     stack->resize(base);
@@ -427,12 +456,18 @@ bool run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 void set_dtype_retry(DtypeRetry hook) { g_dtype_retry = hook; }
 void set_dtype_ahead(DtypeRetry hook) { g_dtype_ahead = hook; }
 
-bool add_dtype_policy_op(const std::string& name, const std::string& overload, bool ahead) {
+bool add_dtype_policy_op(const std::string& name, const std::string& overload, bool ahead,
+                         const std::vector<c10::ScalarType>& dtypes) {
   auto h = c10::Dispatcher::singleton().findSchema({name, overload});
   if (!h) return false;  // a TorchScript-only overload (aten::acos.int): never dispatched here
-  g_policy_ops.insert(&h->schema());
-  g_policy_filter.set(policy_slot(&h->schema()));
-  if (ahead) g_ahead_ops.insert(&h->schema());
+  const void* schema = &h->schema();
+  uint64_t mask = 0;
+  static_assert(static_cast<int>(c10::ScalarType::NumOptions) <= 64, "a mask bit per dtype");
+  for (c10::ScalarType d : dtypes) mask |= uint64_t{1} << static_cast<int>(d);
+  TORCH_CHECK(mask != 0, "add_dtype_policy_op: ", name, " names no dtype");
+  g_policy_ops[schema] |= mask;
+  g_policy_filter.set(policy_slot(schema));
+  if (ahead) g_ahead_ops.insert(schema);
   return true;
 }
 

@@ -28,16 +28,20 @@ _WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32,
           torch.complex32: torch.complex64}
 _INTS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
-# Ops whose CUDA kernels take half/bfloat16/complex32 where CPU's do not, computed wider.
-_UPCAST = frozenset("""
+# Ops whose CUDA kernels take half/bfloat16/complex32 where CPU's do not, computed wider:
+# these for all three, the math below for complex32 only (CPU takes half and bfloat16).
+_UPCAST_HALF = frozenset("""
 avg_pool3d avg_pool3d_backward _upsample_bilinear2d_aa _upsample_bilinear2d_aa_backward
 _upsample_bicubic2d_aa _upsample_bicubic2d_aa_backward
 multi_margin_loss multi_margin_loss_backward multilabel_margin_loss_forward
 multilabel_margin_loss_backward rrelu_with_noise rrelu_with_noise_ rrelu_with_noise_backward
 _fft_r2c _fft_c2c _fft_c2r
+""".split())
+_UPCAST_CHALF = frozenset("""
 acos acosh asin asinh atan atanh cos cosh sin sinh tan tanh exp log sqrt rsqrt sigmoid
 div logaddexp pow lerp angle prod sum trace
 """.split())
+_UPCAST = _UPCAST_HALF | _UPCAST_CHALF
 
 
 def _schema_call(name: str, overload: str, args):
@@ -179,36 +183,55 @@ _UNSIGNED_OPS = _U64_SAME | _U64_ORDER | frozenset(
     "clamp_max pow bincount searchsorted random".split())
 
 
+_META_DTYPES: dict = {}   # (op, argument signature) -> result dtypes
+
+
+def _signature(v):
+    """What of an argument decides result dtypes: a tensor's dtype and whether it is 0-d (type
+    promotion treats those like numbers), a number's type, any other value itself."""
+    if isinstance(v, torch.Tensor):
+        return (v.dtype, v.dim() == 0)
+    if isinstance(v, (list, tuple)):
+        return tuple(_signature(e) for e in v)
+    if isinstance(v, (bool, int, float, complex)):
+        return type(v)
+    return v
+
+
 def _meta_dtypes(name, overload, args):
     """The result dtypes of ``aten::name.overload`` on these arguments, from its meta function
-    (None when it has none: data-dependent shapes, whose results are int64 indices)."""
+    (None when it has none: data-dependent shapes, whose results are int64 indices). Cached:
+    they depend only on the arguments' dtypes."""
+    key = (name, overload, tuple(_signature(a) for a in args))
+    if key in _META_DTYPES:
+        return _META_DTYPES[key]
+
     def meta(a):
         return a.to("meta") if isinstance(a, torch.Tensor) else a
     margs = [[meta(v) for v in a] if isinstance(a, (list, tuple)) else meta(a) for a in args]
     o, pos, kw = _schema_call(name, overload, margs)
     try:
         out = o(*pos, **kw)
+        got = [t.dtype if isinstance(t, torch.Tensor) else None
+               for t in (out if isinstance(out, (tuple, list)) else (out,))]
     except NotImplementedError:  # no meta kernel (nonzero, bincount): they return int64
-        return None
-    return [t.dtype if isinstance(t, torch.Tensor) else None
-            for t in (out if isinstance(out, (tuple, list)) else (out,))]
+        got = None
+    _META_DTYPES[key] = got
+    return got
 
 
-def _unsigned(name, overload, args):
-    tensors = [a for a in args if isinstance(a, torch.Tensor)] + [
-        v for a in args if isinstance(a, (list, tuple)) for v in a if isinstance(v, torch.Tensor)]
-    kinds = {t.dtype for t in tensors if t.dtype in _UNSIGNED}
-    base = _base(name)
-    if not kinds:
-        return None
-    if torch.uint64 in kinds and base not in _U64_SAME | _U64_ORDER:
-        raise NotImplementedError(
-            f"aten::{name} of uint64 on neuron: CPU has no kernel, and through int64 only "
-            f"modular arithmetic, bit operations and ordering are exact ({name} differs on "
-            f"values >= 2**63); use uint32 or int64")
-    order = base in _U64_ORDER
+def _is_number(kind: str, v) -> bool:
+    return (kind in ("number", "Optional[number]", "Tensor")
+            and isinstance(v, (int, float)) and not isinstance(v, bool))
 
-    def widen(a):
+
+def _widen(op, args, order: bool, flip: bool):
+    """The arguments as int64: uint16/uint32 by value, uint64 by bits (top bit flipped when
+    ``order``); numbers in a Tensor slot (``x % 5`` reaches remainder.Tensor) as 0-d tensors.
+    Returns the widened arguments and the originals with those numbers wrapped."""
+    kinds = [str(a.type) for a in op._schema.arguments]
+
+    def tensor(a):
         if not isinstance(a, torch.Tensor) or a.dtype not in _UNSIGNED:
             return a
         if a.dtype != torch.uint64:
@@ -216,53 +239,67 @@ def _unsigned(name, overload, args):
         w = a.view(torch.int64)
         return w ^ _SIGN if order else w.clone()
 
-    op = _schema_call(name, overload, args)[0]
-    flip = order and torch.uint64 in kinds
-    types = [str(a.type) for a in op._schema.arguments]
-
-    def number(i, v):
-        return (types[i] in ("number", "Optional[number]", "Tensor")
-                and isinstance(v, (int, float)) and not isinstance(v, bool))
-
-    def scalar(i, v):   # a Scalar operand (or a wrapped number: `x % 5` reaches remainder.Tensor)
+    def number(kind, v):
         if flip and isinstance(v, int):
             v = (v % (1 << 64)) - (1 << 63)   # in the flipped order of uint64
-        return torch.tensor(v) if types[i] == "Tensor" else v
+        return torch.tensor(v) if kind == "Tensor" else v
 
-    wide = [[widen(v) for v in a] if isinstance(a, (list, tuple)) else
-            scalar(i, a) if number(i, a) else widen(a) for i, a in enumerate(args)]
-    args = [torch.tensor(a) if number(i, a) and types[i] == "Tensor" else a
-            for i, a in enumerate(args)]
-    op, pos, kw = _schema_call(name, overload, wide)
-    dtypes = _meta_dtypes(name, overload, args) if base != "random" else None
-    out = op(*pos, **kw)
+    wide = [[tensor(v) for v in a] if isinstance(a, (list, tuple)) else
+            number(k, a) if _is_number(k, a) else tensor(a) for k, a in zip(kinds, args)]
+    args = [torch.tensor(a) if _is_number(k, a) and k == "Tensor" else a
+            for k, a in zip(kinds, args)]
+    return wide, args
 
-    def narrow(r, dtype):
-        if not isinstance(r, torch.Tensor) or dtype is None or r.dtype == dtype:
-            return r
-        if dtype == torch.uint64:
-            return (r ^ _SIGN if order else r).view(torch.uint64)
-        return r.to(dtype)
 
-    for i in _write_args(op):   # in-place and out= forms: the caller's tensor gets the bits
+def _narrow(r, dtype, order: bool):
+    if not isinstance(r, torch.Tensor) or dtype is None or r.dtype == dtype:
+        return r
+    if dtype == torch.uint64:
+        return (r ^ _SIGN if order else r).view(torch.uint64)
+    return r.to(dtype)
+
+
+def _unsigned_results(op, args, wide, out, dtypes, order: bool):
+    """The int64 results back in the unsigned dtypes; in-place and out= forms write the bits
+    into the caller's tensors and return them."""
+    written = _write_args(op)
+    for i in written:
         t, w = args[i], wide[i]
         if isinstance(t, torch.Tensor) and t is not w:
             if t.shape != w.shape:
                 t.resize_(w.shape)
-            t.copy_(narrow(w, t.dtype))
+            t.copy_(_narrow(w, t.dtype, order))
     rets = op._schema.returns
-    outs = out if len(rets) > 1 else (out,)
-    written = set(_write_args(op))
     fixed = []
-    for j, (r, ret) in enumerate(zip(outs, rets)):
+    for j, (r, ret) in enumerate(zip(out if len(rets) > 1 else (out,), rets)):
         alias = ret.alias_info
         if alias is not None and alias.is_write:
             r = next(args[i] for i in written
                      if op._schema.arguments[i].alias_info.before_set == alias.before_set)
         elif dtypes is not None:
-            r = narrow(r, dtypes[j])
+            r = _narrow(r, dtypes[j], order)
         fixed.append(r)
     return fixed[0] if len(rets) == 1 else tuple(fixed)
+
+
+def _unsigned(name, overload, args):
+    kinds = {t.dtype for a in args
+             for t in (a if isinstance(a, (list, tuple)) else (a,))
+             if isinstance(t, torch.Tensor) and t.dtype in _UNSIGNED}
+    if not kinds:
+        return None
+    base = _base(name)
+    if torch.uint64 in kinds and base not in _U64_SAME | _U64_ORDER:
+        raise NotImplementedError(
+            f"aten::{name} of uint64 on neuron: CPU has no kernel, and through int64 only "
+            f"modular arithmetic, bit operations and ordering are exact ({name} differs on "
+            f"values >= 2**63); use uint32 or int64")
+    order = base in _U64_ORDER
+    op = _schema_call(name, overload, args)[0]
+    wide, args = _widen(op, args, order, flip=order and torch.uint64 in kinds)
+    dtypes = _meta_dtypes(name, overload, args) if base != "random" else None
+    op, pos, kw = _schema_call(name, overload, wide)
+    return _unsigned_results(op, args, wide, op(*pos, **kw), dtypes, order)
 
 
 _SPECIAL = {"histc": _histc_int, "abs": _abs_bool, "trace": _trace, "nansum": _nansum_complex}
@@ -296,8 +333,8 @@ def _policy_ahead(name: str, overload: str, args: tuple):
     from .nkilib_routes import charged_as
     cfg = _state.config()
     nbytes = cost_model.priced_nbytes(x)
-    seconds, engine, flops = cost_model.op_seconds(cfg.profile, cfg.lnc, base, [tuple(x.shape)], x.dtype,
-                                                   nbytes, 0)
+    seconds, engine, flops = cost_model.op_seconds(cfg.profile, cfg.lnc, base, [tuple(x.shape)],
+                                                   x.dtype, nbytes, 0)
     with charged_as(x.device, base, seconds, engine=engine, flops=flops, hbm_bytes=nbytes):
         return _policy(name, overload, args)
 
@@ -340,18 +377,33 @@ def _fft_wrapper(op):
     return kernel
 
 
+def _policy_dtypes() -> dict:
+    """Per op, the argument dtypes its rules take: only an argument of one of them makes the
+    fallback keep a refused op's arguments for the policy."""
+    rules = [(_UPCAST_HALF, (torch.float16, torch.bfloat16, torch.complex32)),
+             (_UPCAST_CHALF, (torch.complex32,)), (_UNSIGNED_OPS, _UNSIGNED),
+             ({"histc"}, _INTS), ({"abs", "trace"}, (torch.bool,)),
+             ({"nansum"}, (torch.complex32, torch.complex64, torch.complex128))]
+    out: dict = {}
+    for ops, dtypes in rules:
+        for base in ops:
+            out.setdefault(base, set()).update(dtypes)
+    assert set(_SPECIAL) <= set(out), "every special rule names its dtypes"
+    return out
+
+
 def _register():
     for name in _FFT:
         op = getattr(torch.ops.aten, name).default
         _autograd_lib.impl(op, _fft_wrapper(op), "AutogradPrivateUse1")
-    for base in sorted(_UPCAST | set(_SPECIAL) | _UNSIGNED_OPS):
+    for base, dtypes in sorted(_policy_dtypes().items()):
         for name in (base, base + "_"):
             packet = getattr(torch.ops.aten, name, None)
             if packet is None:
                 continue
             for overload in packet.overloads():
                 _C._add_dtype_policy_op("aten::" + name, "" if overload == "default" else overload,
-                                        base in _SPECIAL)
+                                        base in _SPECIAL, sorted(dtypes, key=str))
     _C._set_dtype_policy(_policy)
     _C._set_dtype_policy_ahead(_policy_ahead)
 

@@ -1,6 +1,7 @@
 """``torch.cuda`` names that CUDA programs call and that have a direct meaning on the
 virtual NeuronCore: peer access, the sync-debug switch, ``torch.cuda.memory``'s deprecated
-aliases and raw blocks (defined in ``memory``, as CUDA's are). Each answers as CUDA's does for a device with these properties."""
+aliases and raw blocks (defined in ``memory``, as CUDA's are). Each answers as CUDA's does
+for a device with these properties."""
 from __future__ import annotations
 
 import collections
