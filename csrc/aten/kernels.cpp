@@ -459,6 +459,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable
 int64_t fused_sdp_choice(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const c10::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
                          c10::optional<double> scale, bool enable_gqa) {
+  // A program written for CUDA may allow only CUDA's memory-efficient or cuDNN kernels
+  // (`sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION)`), for which CPU's selection finds nothing:
+  // neuron runs those ops too (kernels/attention.py), on what CUDA's take (dense 4-D, as many
+  // key/value heads as query heads).
+  const auto& ctx = at::globalContext();
+  if (!ctx.userEnabledFlashSDP() && !ctx.userEnabledMathSDP() && q.dim() == 4 && k.dim() == 4 &&
+      v.dim() == 4 && !q.is_nested() && q.size(1) == k.size(1) && k.size(1) == v.size(1) &&
+      at::isFloatingType(q.scalar_type())) {
+    if (ctx.userEnabledMemEfficientSDP()) {
+      return static_cast<int64_t>(at::SDPBackend::efficient_attention);
+    }
+    if (ctx.userEnabledCuDNNSDP()) return static_cast<int64_t>(at::SDPBackend::cudnn_attention);
+  }
   // CPU's selection reads only metadata; called directly so fake tensors (torch.compile)
   // work too.
   return at::native::_fused_sdp_choice_cpp(q, k, v, mask, dropout_p, is_causal, scale,

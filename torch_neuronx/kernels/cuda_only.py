@@ -49,9 +49,7 @@ _OPS: dict[str, str | None] = {
     "_mixed_dtypes_linear": ("CUTLASS's mixed-dtype GEMM for int8/int4 weights; dequantize the "
                              "weight (or use TorchAO) on neuron"),
     **{k: _ATTN for k in """
-    _scaled_dot_product_flash_attention.quantized _scaled_dot_product_efficient_attention
-    _scaled_dot_product_efficient_attention_backward _scaled_dot_product_cudnn_attention
-    _scaled_dot_product_cudnn_attention_backward _flash_attention_forward
+    _scaled_dot_product_flash_attention.quantized _flash_attention_forward
     _flash_attention_forward_no_dropout_inplace _flash_attention_forward.quantized
     _flash_attention_backward _efficient_attention_forward _efficient_attention_backward
     _cudnn_attention_forward _cudnn_attention_backward _triton_scaled_dot_attention
@@ -67,7 +65,9 @@ _OPS: dict[str, str | None] = {
     _thnn_fused_lstm_cell _thnn_fused_lstm_cell_backward_impl _thnn_fused_gru_cell
     _thnn_fused_gru_cell_backward _conv_depthwise2d _conv_depthwise2d.out conv_depthwise3d
     record_stream _scaled_dot_product_flash_attention
-    _scaled_dot_product_flash_attention_backward""".split()},
+    _scaled_dot_product_flash_attention_backward _scaled_dot_product_efficient_attention
+    _scaled_dot_product_efficient_attention_backward _scaled_dot_product_cudnn_attention
+    _scaled_dot_product_cudnn_attention_backward""".split()},
 }
 
 
