@@ -573,9 +573,56 @@ bool routed_to_queue(const c10::OperatorName& name) {
   return g_queue_routed.count(name) > 0;
 }
 
+// Strided nested tensors (torch.nested's default layout, and what the jagged layout's math
+// SDPA converts to): ATen's NestedTensorCPU kernels work on the buffer through ATen ops, which
+// run on the device, so they serve neuron's nested tensors as they serve CPU's. They run in a
+// synchronous region because some read the buffer or its metadata on the host.
+void nested_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      op.hasKernelForDispatchKey(c10::DispatchKey::NestedTensorCPU), "The operator '",
+      op.schema().operator_name(), "' is not available for nested tensors on the neuron device: ",
+      "CPU has no nested kernel for it either (the jagged layout, torch.nested.nested_tensor(..., ",
+      "layout=torch.jagged), covers more ops)");
+  queue::enter_sync();
+  struct Exit {
+    ~Exit() { queue::exit_sync(); }
+  } exit;
+  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::NestedTensorCPU), stack);
+}
+
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
 }
+
+TORCH_LIBRARY_IMPL(_, NestedTensorPrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&nested_fallback>());
+}
+
+// A fallback serves only ops with no kernel for the key, and a composite (matmul's) counts as
+// one: every op with a NestedTensorCPU kernel gets the same redispatch as its own kernel.
+struct NestedKernels {
+  std::vector<std::unique_ptr<torch::Library>> libs;
+  NestedKernels() {
+    auto& d = c10::Dispatcher::singleton();
+    std::unordered_map<std::string, torch::Library*> by_ns;
+    for (const auto& name : d.getRegistrationsForDispatchKey(c10::DispatchKey::NestedTensorCPU)) {
+      auto op = d.findOp(name);
+      if (!op || op->hasKernelForDispatchKey(c10::DispatchKey::NestedTensorPrivateUse1)) continue;
+      const auto sep = name.name.find("::");
+      const std::string ns = name.name.substr(0, sep);
+      auto& lib = by_ns[ns];
+      if (!lib) {
+        libs.push_back(std::make_unique<torch::Library>(
+            torch::Library::IMPL, ns, c10::DispatchKey::NestedTensorPrivateUse1, __FILE__, __LINE__));
+        lib = libs.back().get();
+      }
+      std::string qualified = name.name.substr(sep + 2);
+      if (!name.overload_name.empty()) qualified += "." + name.overload_name;
+      lib->impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&nested_fallback>());
+    }
+  }
+};
+const NestedKernels g_nested_kernels;
 
 TORCH_LIBRARY_IMPL(_, SparsePrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
