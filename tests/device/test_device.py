@@ -349,6 +349,9 @@ def test_streams_and_events():
     torch.neuron.synchronize()
     torch.accelerator.synchronize()
     assert torch.neuron.Stream(priority=-1).query()
+    # one priority level, as CUDA reports a clamped request
+    assert torch.neuron.Stream(priority=-1).priority == 0
+    assert torch.neuron.Stream.priority_range() == (0, 0)
 
 
 # ---------------------------------------------------------------- integration

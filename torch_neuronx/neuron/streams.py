@@ -22,6 +22,17 @@ class Stream(torch.Stream):
     def __repr__(self):
         return f"<torch.neuron.Stream device=neuron:{self.device_index} stream_id={self.stream_id}>"
 
+    # One in-order executor serves all of a device's streams, so they share one priority
+    # level: as CUDA clamps a requested priority into its range, every stream reports 0.
+    @property
+    def priority(self) -> int:
+        return 0
+
+    @staticmethod
+    def priority_range() -> tuple[int, int]:
+        """(least, greatest) priority, as ``torch.cuda.Stream.priority_range()``: (0, 0)."""
+        return (0, 0)
+
 
 class _EventMeta(type):
     def __instancecheck__(cls, obj):
