@@ -301,7 +301,12 @@ bool out_matches(const c10::OperatorHandle& out_op, std::vector<IValue>& args,
   DropWarnings drop;
   c10::WarningUtils::WarningHandlerGuard quiet(&drop);
   torch::jit::Stack s;
-  for (auto& v : args) s.push_back(to_kernel_arg(v));
+  // On copies: an op may write an argument its schema does not mark (native_batch_norm's
+  // running statistics), and this second run must not apply that write again.
+  for (auto& v : args) {
+    s.push_back(map_tensors(to_kernel_arg(v), [](const at::Tensor& t) { return t.clone(); },
+                            c10::Device(c10::kCPU)));
+  }
   std::vector<at::Tensor> outs;
   std::vector<const void*> bufs;
   for (const auto& w : want) {

@@ -358,3 +358,20 @@ def test_queued_work_keeps_inference_mode():
         z = y.cpu()
     assert torch.equal(z, x * 2 + 1)
     assert z.is_inference()
+
+
+@pytest.mark.parametrize("make", [lambda: torch.nn.BatchNorm2d(3), lambda: torch.nn.BatchNorm1d(3),
+                                  lambda: torch.nn.InstanceNorm2d(3, track_running_stats=True)],
+                         ids=["BatchNorm2d", "BatchNorm1d", "InstanceNorm2d"])
+def test_running_statistics_are_updated_once_per_call(make):
+    # native_batch_norm writes its running statistics without marking them in its schema: the
+    # launch path's first-call check of the out= overload ran on them too and applied the
+    # momentum update twice
+    dev, cpu = make().to(N), make()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(4, 3, 5, 5, generator=g)
+        x = x[:, :, 0, 0].contiguous() if isinstance(cpu, torch.nn.BatchNorm1d) else x
+        assert torch.equal(dev(x.to(N)).cpu(), cpu(x))
+        assert torch.equal(dev.running_mean.cpu(), cpu.running_mean)
+        assert torch.equal(dev.running_var.cpu(), cpu.running_var)
