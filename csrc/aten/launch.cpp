@@ -9,6 +9,7 @@
 
 #include <numeric>
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -302,11 +303,14 @@ bool out_matches(const c10::OperatorHandle& out_op, std::vector<IValue>& args,
   c10::WarningUtils::WarningHandlerGuard quiet(&drop);
   torch::jit::Stack s;
   // On copies: an op may write an argument its schema does not mark (native_batch_norm's
-  // running statistics), and this second run must not apply that write again.
-  for (auto& v : args) {
-    s.push_back(map_tensors(to_kernel_arg(v), [](const at::Tensor& t) { return t.clone(); },
-                            c10::Device(c10::kCPU)));
-  }
+  // running statistics), and this second run must not apply that write again. The copies
+  // keep the strides (a kernel's loop, and so its bits, can depend on them); an argument
+  // whose elements overlap cannot be written and is passed as it is.
+  auto copy = [](const at::Tensor& t) {
+    if (at::has_internal_overlap(t) == at::MemOverlap::Yes) return t;
+    return at::empty_strided(t.sizes(), t.strides(), t.options()).copy_(t);
+  };
+  for (auto& v : args) s.push_back(map_tensors(to_kernel_arg(v), copy, c10::Device(c10::kCPU)));
   std::vector<at::Tensor> outs;
   std::vector<const void*> bufs;
   for (const auto& w : want) {
