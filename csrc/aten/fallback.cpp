@@ -19,6 +19,7 @@
 #include <ATen/SparseCsrTensorUtils.h>
 #include <ATen/native/SparseTensorUtils.h>
 #include <ATen/SparseTensorImpl.h>
+#include <ATen/NestedTensorImpl.h>
 #include <ATen/ops/_sparse_compressed_tensor_unsafe.h>
 #include <ATen/ops/_sparse_coo_tensor_with_dims_and_tensors.h>
 #include <ATen/ops/_sparse_coo_tensor_with_dims_and_tensors_native.h>
@@ -99,6 +100,16 @@ struct Context {
     auto d = t.device().index();
     if (device == -1) device = d;
     else if (d != device) other = d;
+    if (t.is_nested()) {
+      // A CPU nested tensor over the host alias of the buffer (the metadata is on the host
+      // already); it carries its own keys, as sparse aliases do. In-place nested kernels
+      // write the buffer through the alias and never resize it.
+      sparse = true;
+      const auto* impl = at::native::get_nested_tensor_impl(t);
+      return at::detail::make_tensor<at::native::NestedTensorImpl>(
+          to_host(impl->get_unsafe_storage_as_tensor(), mutable_arg), impl->get_nested_sizes(),
+          impl->get_nested_strides(), impl->get_storage_offsets());
+    }
     if (t.layout() != c10::kStrided) {
       sparse = true;
       at::Tensor a = rebuild_sparse(t, c10::Device(c10::kCPU),
@@ -136,6 +147,14 @@ void sync_resized(const at::Tensor& dev, const at::Tensor& host, Context& ctx, S
 
 at::Tensor to_device(const at::Tensor& t, Context& ctx, StorageMap& fresh) {
   if (!t.defined() || t.device().type() != c10::kCPU) return t;
+  if (t.is_nested()) {
+    // A nested result (the Transformer fast path's _nested_tensor_from_mask): its buffer
+    // becomes device memory, its metadata (sizes, strides, offsets) stays on the host as CPU's.
+    const auto* impl = at::native::get_nested_tensor_impl(t);
+    auto buffer = to_device(impl->get_unsafe_storage_as_tensor(), ctx, fresh);
+    return at::detail::make_tensor<at::native::NestedTensorImpl>(
+        buffer, impl->get_nested_sizes(), impl->get_nested_strides(), impl->get_storage_offsets());
+  }
   if (t.layout() != c10::kStrided) {
     TORCH_CHECK(t.layout() == c10::kSparse || is_compressed(t), "neuron: a kernel produced a ",
                 t.layout(), " tensor, a layout the neuron device does not support");
@@ -294,8 +313,10 @@ bool run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
         if (mut) originals.emplace_back(i, iv);
         iv = ctx.to_host(t, mut);
       } else if (t.device().is_cpu() && t.dim() > 0 && ctx.cpu_arg.empty() &&
-                 !(args[i].name() == "scalars" && schema.name().rfind("aten::_foreach_", 0) == 0)) {
-        // (A `_foreach_` op's per-tensor `scalars` live on the CPU, as on CUDA.)
+                 !(args[i].name() == "scalars" && schema.name().rfind("aten::_foreach_", 0) == 0) &&
+                 args[i].name() != "cpu_nested_shape_example") {
+        // (A `_foreach_` op's per-tensor `scalars` live on the CPU, as on CUDA, and so does
+        // `_nested_from_padded`'s shape example.)
         ctx.cpu_arg = args[i].name();
       }
     } else if (iv.isList()) {
@@ -574,20 +595,23 @@ bool routed_to_queue(const c10::OperatorName& name) {
 }
 
 // Strided nested tensors (torch.nested's default layout, and what the jagged layout's math
-// SDPA converts to): ATen's NestedTensorCPU kernels work on the buffer through ATen ops, which
-// run on the device, so they serve neuron's nested tensors as they serve CPU's. They run in a
-// synchronous region because some read the buffer or its metadata on the host.
+// SDPA and the Transformer fast path use): ATen's NestedTensorCPU kernels run on host aliases
+// (CPU nested tensors over the device buffers), as dense ops run CPU's kernels.
 void nested_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   TORCH_CHECK_NOT_IMPLEMENTED(
       op.hasKernelForDispatchKey(c10::DispatchKey::NestedTensorCPU), "The operator '",
       op.schema().operator_name(), "' is not available for nested tensors on the neuron device: ",
       "CPU has no nested kernel for it either (the jagged layout, torch.nested.nested_tensor(..., ",
       "layout=torch.jagged), covers more ops)");
-  queue::enter_sync();
-  struct Exit {
-    ~Exit() { queue::exit_sync(); }
-  } exit;
-  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::NestedTensorCPU), stack);
+  // The metadata's own accessors return it where it lives, on the host (as on CUDA).
+  const auto& name = op.schema().name();
+  if (name == "aten::_nested_tensor_size" || name == "aten::_nested_tensor_strides" ||
+      name == "aten::_nested_tensor_storage_offsets") {
+    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::NestedTensorCPU), stack);
+    return;
+  }
+  queue::synchronize_all();
+  run_now(op, stack);
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {

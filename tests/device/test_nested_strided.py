@@ -73,3 +73,31 @@ def test_an_op_without_a_nested_kernel_names_itself_and_the_device_stays_usable(
     with pytest.raises(NotImplementedError):
         torch.cumsum(cpu, 0)   # CPU has none either
     assert torch.equal((dev * 3).to_padded_tensor(0.0).cpu(), (cpu * 3).to_padded_tensor(0.0))
+
+
+def test_nested_metadata_stays_on_the_host():
+    _, dev = _pair((3, 4), (5, 4))
+    for op in (torch.ops.aten._nested_tensor_size, torch.ops.aten._nested_tensor_strides,
+               torch.ops.aten._nested_tensor_storage_offsets):
+        assert op(dev).device.type == "cpu"
+    assert torch.equal(torch.ops.aten._nested_tensor_size(dev), torch.tensor([[3, 4], [5, 4]]))
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_transformer_encoder_fast_path_with_padding_equals_cpu(norm_first):
+    # eval + inference mode + a key padding mask: nn.TransformerEncoder packs the sequences
+    # into a nested tensor (_nested_tensor_from_mask) and runs the fused encoder layer
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 4, 32, batch_first=True, norm_first=norm_first)
+    cpu = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=not norm_first).eval()
+    dev = torch.nn.TransformerEncoder(
+        torch.nn.TransformerEncoderLayer(16, 4, 32, batch_first=True, norm_first=norm_first), 2,
+        enable_nested_tensor=not norm_first).eval()
+    dev.load_state_dict(cpu.state_dict())
+    dev.to("neuron")
+    x = torch.randn(3, 6, 16)
+    mask = torch.tensor([[False] * 6, [False] * 4 + [True] * 2, [False] * 2 + [True] * 4])
+    with torch.inference_mode():
+        want = cpu(x, src_key_padding_mask=mask)
+        got = dev(x.to("neuron"), src_key_padding_mask=mask.to("neuron"))
+    assert torch.equal(got.cpu(), want)
