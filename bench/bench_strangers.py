@@ -55,7 +55,8 @@ def _t5_batch(i):
     mask = torch.ones_like(x)
     mask[1, 18:] = 0
     mask[3, 10:] = 0
-    return dict(input_ids=x, attention_mask=mask, labels=torch.randint(1, 256, (4, 12), generator=g))
+    labels = torch.randint(1, 256, (4, 12), generator=g)
+    return dict(input_ids=x, attention_mask=mask, labels=labels)
 
 
 MODELS = {"bert": (_bert, _bert_batch), "t5": (_t5, _t5_batch)}
@@ -71,7 +72,8 @@ def _one(name: str, device: str, compiled: bool, steps: int) -> dict:
     torch.manual_seed(0)
     model = make().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    run = torch.compile(model, backend="neuron" if device == "neuron" else "inductor") if compiled else model
+    backend = "neuron" if device == "neuron" else "inductor"
+    run = torch.compile(model, backend=backend) if compiled else model
     times, loss = [], None
     for i in range(WARMUP + steps):
         b = {k: v.to(device) for k, v in batch(i).items()}
@@ -86,8 +88,8 @@ def _one(name: str, device: str, compiled: bool, steps: int) -> dict:
 
 
 def _fresh(name, device, compiled, steps):
-    out = subprocess.run([sys.executable, __file__, "--one", name, device, str(int(compiled)), str(steps)],
-                         check=True, capture_output=True, text=True).stdout
+    args = [sys.executable, __file__, "--one", name, device, str(int(compiled)), str(steps)]
+    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -112,8 +114,8 @@ def main():
                 r = _fresh(name, device, compiled, a.steps)
                 losses[device].append(r["loss"])
                 return r["seconds"]
-            ratio, tc, td, ratios = _fresh_pairs.alternating(lambda: run("cpu"), lambda: run("neuron"),
-                                                              a.pairs)
+            ratio, tc, td, ratios = _fresh_pairs.alternating(
+                lambda: run("cpu"), lambda: run("neuron"), a.pairs)
             diff = max(abs(x - y) for x, y in zip(losses["cpu"], losses["neuron"]))
             mode = "compiled" if compiled else "eager"
             print(f"{name:10s} {mode:9s} {td * 1e3:8.2f} {tc * 1e3:8.2f}   {ratio:.3f} "

@@ -623,7 +623,7 @@ TORCH_LIBRARY_IMPL(_, NestedTensorPrivateUse1, m) {
 }
 
 // A fallback serves only ops with no kernel for the key, and a composite (matmul's) counts as
-// one: every op with a NestedTensorCPU kernel gets the same redispatch as its own kernel.
+// one: every op with a NestedTensorCPU kernel gets nested_fallback as its own kernel.
 struct NestedKernels {
   std::vector<std::unique_ptr<torch::Library>> libs;
   NestedKernels() {
@@ -636,8 +636,9 @@ struct NestedKernels {
       const std::string ns = name.name.substr(0, sep);
       auto& lib = by_ns[ns];
       if (!lib) {
-        libs.push_back(std::make_unique<torch::Library>(
-            torch::Library::IMPL, ns, c10::DispatchKey::NestedTensorPrivateUse1, __FILE__, __LINE__));
+        libs.push_back(std::make_unique<torch::Library>(torch::Library::IMPL, ns,
+                                                        c10::DispatchKey::NestedTensorPrivateUse1,
+                                                        __FILE__, __LINE__));
         lib = libs.back().get();
       }
       std::string qualified = name.name.substr(sep + 2);

@@ -11,7 +11,8 @@ import torch_neuronx  # noqa: F401
 def _pair(*shapes):
     g = torch.Generator().manual_seed(0)
     parts = [torch.randn(*s, generator=g) for s in shapes]
-    return torch.nested.nested_tensor(parts), torch.nested.nested_tensor([p.to("neuron") for p in parts])
+    dev = torch.nested.nested_tensor([p.to("neuron") for p in parts])
+    return torch.nested.nested_tensor(parts), dev
 
 
 def _dense(t):
@@ -57,7 +58,8 @@ def test_jagged_sdpa_in_the_transposed_layout_equals_cpu(requires_grad):
         parts = [torch.randn(5, 2, 8, generator=g), torch.randn(7, 2, 8, generator=g)]
         q = torch.nested.nested_tensor([p.to(dev) for p in parts], layout=torch.jagged,
                                        requires_grad=requires_grad)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2))
+        qt = q.transpose(1, 2)
+        out = F.scaled_dot_product_attention(qt, qt, qt)
         if not requires_grad:
             return [out.values()]
         (out.values() ** 2).sum().backward()

@@ -1,11 +1,11 @@
-"""Fused attention entry points off the CPU: PyTorch's PrivateUse1 SDPA entry and the
-FlashAttention one that code written for CUDA calls directly.
+"""Fused attention entry points off the CPU: PyTorch's PrivateUse1 SDPA entry and CUDA's
+FlashAttention, memory-efficient and cuDNN ones, which code written for CUDA reaches.
 
 ``_scaled_dot_product_fused_attention_overrideable`` is the entry PyTorch reserves for a
-PrivateUse1 backend's fused SDPA; ``_scaled_dot_product_flash_attention`` is CUDA's. Both run
-CPU's flash-attention kernel (``_scaled_dot_product_flash_attention_for_cpu``: blocked,
-online softmax, the log-sum-exp kept for the backward), so results equal CPU's SDPA. Which
-SDPA path ``F.scaled_dot_product_attention`` itself takes on neuron is unchanged
+PrivateUse1 backend's fused SDPA; the others are CUDA's. All run CPU's flash-attention kernel
+(``_scaled_dot_product_flash_attention_for_cpu``: blocked, online softmax, the log-sum-exp
+kept for the backward), so results equal CPU's SDPA. ``F.scaled_dot_product_attention`` on
+neuron takes CPU's path, unless a program allows only the efficient or cuDNN kernels
 (docs/device.md). Dropout: CPU's kernel has none, so ``dropout_p > 0`` is refused here;
 ``F.scaled_dot_product_attention`` with dropout takes the math path on neuron.
 """
