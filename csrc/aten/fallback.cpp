@@ -93,7 +93,9 @@ struct Context {
   StorageMap storages;
   c10::SmallVector<std::pair<at::Tensor, at::Tensor>, 4> mutated;  // (device, alias)
 
-  bool sparse = false;
+  // Sparse and nested host aliases carry their own dispatch keys (SparseCPU, SparseCsrCPU,
+  // NestedTensorCPU): the kernel is called boxed rather than redispatched to CPU.
+  bool own_keys = false;
   std::vector<const void*> reads, writes;  // for the stream checker
 
   at::Tensor to_host(const at::Tensor& t, bool mutable_arg) {
@@ -104,14 +106,14 @@ struct Context {
       // A CPU nested tensor over the host alias of the buffer (the metadata is on the host
       // already); it carries its own keys, as sparse aliases do. In-place nested kernels
       // write the buffer through the alias and never resize it.
-      sparse = true;
+      own_keys = true;
       const auto* impl = at::native::get_nested_tensor_impl(t);
       return at::detail::make_tensor<at::native::NestedTensorImpl>(
           to_host(impl->get_unsafe_storage_as_tensor(), mutable_arg), impl->get_nested_sizes(),
           impl->get_nested_strides(), impl->get_storage_offsets());
     }
     if (t.layout() != c10::kStrided) {
-      sparse = true;
+      own_keys = true;
       at::Tensor a = rebuild_sparse(t, c10::Device(c10::kCPU),
                                     [this](const at::Tensor& m) { return to_host(m, false); });
       if (mutable_arg) mutated.emplace_back(t, a);
@@ -387,8 +389,7 @@ bool run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     return g_dtype_retry(op, stack);
   };
   try {
-    if (ctx.sparse) {
-      // Sparse host aliases carry their own dispatch keys (SparseCPU, SparseCsrCPU).
+    if (ctx.own_keys) {
       c10::impl::ExcludeDispatchKeyGuard no_autograd(c10::autograd_dispatch_keyset_with_ADInplaceOrView);
       op.callBoxed(stack);
     } else {
