@@ -19,11 +19,17 @@ def _bert():
     return transformers.BertForSequenceClassification(cfg)
 
 
-def _bert_batch(g):
-    x = torch.randint(1, 256, (8, 32), generator=g)
+def _padded(g, shape, ends):
+    """Token ids and an attention mask whose rows end where ``ends`` says (row -> length)."""
+    x = torch.randint(2, 256, shape, generator=g)
     mask = torch.ones_like(x)
-    mask[2, 20:] = 0
-    mask[5, 7:] = 0
+    for row, end in ends.items():
+        mask[row, end:] = 0
+    return x, mask
+
+
+def _bert_batch(g):
+    x, mask = _padded(g, (8, 32), {2: 20, 5: 7})
     return dict(input_ids=x, attention_mask=mask, labels=torch.randint(0, 3, (8,), generator=g))
 
 
@@ -35,10 +41,7 @@ def _t5():
 
 
 def _t5_batch(g):
-    x = torch.randint(2, 256, (4, 24), generator=g)
-    mask = torch.ones_like(x)
-    mask[1, 18:] = 0
-    mask[3, 10:] = 0
+    x, mask = _padded(g, (4, 24), {1: 18, 3: 10})
     labels = torch.randint(2, 256, (4, 12), generator=g)
     return dict(input_ids=x, attention_mask=mask, labels=labels)
 
