@@ -2,16 +2,15 @@
 attention masks) and T5 (encoder-decoder), built from small configs, trained with AdamW on
 neuron against the CPU, eager and compiled (neuron's backend against Inductor).
 
-Each side runs in a fresh process (``_fresh_pairs``, the order alternating), times ``--steps``
+The models are examples/hf_strangers.py's. Each side runs in a fresh process (``_fresh_pairs``, the order alternating), times ``--steps``
 steps after 3 warm-up steps and reports their median and its last loss; ratios are medians
-over pairs, and the losses of the two sides must agree. Dropout is off in both configs: the
-devices' generators are seeded alike but CPU's also drew the initial weights, so masks would
-differ. Run: .venv/bin/python bench/bench_strangers.py [--pairs N] [--steps S] [--model NAME ...]
+over pairs, and the losses of the two sides must agree. Run: .venv/bin/python bench/bench_strangers.py [--pairs N] [--steps S] [--model NAME ...]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import statistics
 import subprocess
 import sys
@@ -21,6 +20,9 @@ import warnings
 import torch
 
 import _fresh_pairs  # bench/, this script's directory
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+from hf_strangers import MODELS  # noqa: E402
 
 WARMUP = 3
 
@@ -33,33 +35,6 @@ def _bert():
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
 
 
-def _bert_batch(i):
-    g = torch.Generator().manual_seed(i)
-    x = torch.randint(1, 256, (8, 32), generator=g)
-    mask = torch.ones_like(x)
-    mask[2, 20:] = 0
-    mask[5, 7:] = 0
-    return dict(input_ids=x, attention_mask=mask, labels=torch.randint(0, 3, (8,), generator=g))
-
-
-def _t5():
-    from transformers import T5Config, T5ForConditionalGeneration
-    return T5ForConditionalGeneration(T5Config(
-        vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
-        num_heads=4, decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0))
-
-
-def _t5_batch(i):
-    g = torch.Generator().manual_seed(i)
-    x = torch.randint(1, 256, (4, 24), generator=g)
-    mask = torch.ones_like(x)
-    mask[1, 18:] = 0
-    mask[3, 10:] = 0
-    labels = torch.randint(1, 256, (4, 12), generator=g)
-    return dict(input_ids=x, attention_mask=mask, labels=labels)
-
-
-MODELS = {"bert": (_bert, _bert_batch), "t5": (_t5, _t5_batch)}
 
 
 def _one(name: str, device: str, compiled: bool, steps: int) -> dict:
@@ -76,7 +51,7 @@ def _one(name: str, device: str, compiled: bool, steps: int) -> dict:
     run = torch.compile(model, backend=backend) if compiled else model
     times, loss = [], None
     for i in range(WARMUP + steps):
-        b = {k: v.to(device) for k, v in batch(i).items()}
+        b = {k: v.to(device) for k, v in batch(torch.Generator().manual_seed(i)).items()}
         t0 = time.perf_counter()
         out = run(**b)
         out.loss.backward()
