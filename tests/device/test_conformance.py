@@ -72,7 +72,7 @@ def test_torch_neuron_memory_holds_what_torch_cuda_memory_does():
 def test_submodules_import_as_cuda_s_do():
     # `import torch.cuda.memory` works; the same spelling finds torch.neuron's own modules
     import importlib
-    for name in ("memory", "random", "streams", "graphs", "amp"):
+    for name in ("memory", "random", "streams", "graphs", "amp", "comm"):
         mod = importlib.import_module(f"torch.neuron.{name}")
         assert mod is getattr(torch.neuron, name)
     import torch.neuron.memory as memory

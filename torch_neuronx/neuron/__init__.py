@@ -22,9 +22,11 @@ from .streams import (Event, Stream, StreamContext, current_stream, default_stre
 from .graphs import NeuronGraph, graph, graph_pool_handle, is_current_stream_capturing
 from .graphed_callables import make_graphed_callables
 from . import amp  # noqa: F401
+from . import comm
 from ._metadata import install as _install_metadata_hooks
 
 _install_metadata_hooks()
+comm.install()
 
 
 @dataclass(frozen=True)

@@ -71,22 +71,30 @@ def set_stream(stream) -> None:
 
 
 class StreamContext:
-    """Makes ``stream`` current on its device for the ``with`` block."""
+    """Makes ``stream`` current on its device for the ``with`` block. As CUDA's: setting a
+    stream also makes its device current, so on exit the stream's device gets its previous
+    stream back and then the device current at entry gets its own (which makes that device
+    current again)."""
 
     def __init__(self, stream):
         self.stream = stream
-        self._prev = None
+        self._src_prev = self._dst_prev = None
 
     def __enter__(self):
         if self.stream is None:
             return None
-        self._prev = torch.accelerator.current_stream(self.stream.device_index)
+        self._src_prev = torch.accelerator.current_stream()
+        if self._src_prev.device_index != self.stream.device_index:
+            self._dst_prev = torch.accelerator.current_stream(self.stream.device_index)
         torch.accelerator.set_stream(self.stream)
         return self.stream
 
     def __exit__(self, *exc):
-        if self._prev is not None:
-            torch.accelerator.set_stream(self._prev)
+        if self._dst_prev is not None:
+            torch.accelerator.set_stream(self._dst_prev)
+        if self._src_prev is not None:
+            torch.accelerator.set_stream(self._src_prev)
+        self._src_prev = self._dst_prev = None
         return False
 
 
