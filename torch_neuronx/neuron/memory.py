@@ -226,7 +226,6 @@ def _dump_snapshot(filename="dump_snapshot.pickle", augment_with_fx_traces: bool
         pickle.dump(s, f)
 
 
-
 def memory_cached(device=None) -> int:
     """Deprecated CUDA alias of ``memory_reserved``."""
     warnings.warn("torch.neuron.memory_cached has been renamed to memory_reserved",
