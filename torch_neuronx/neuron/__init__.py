@@ -24,8 +24,10 @@ from .graphed_callables import make_graphed_callables
 from . import amp  # noqa: F401
 from . import comm
 from ._metadata import install as _install_metadata_hooks
+from ._dlpack import install as _install_dlpack
 
 _install_metadata_hooks()
+_install_dlpack()
 comm.install()
 
 
