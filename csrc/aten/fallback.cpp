@@ -3,6 +3,7 @@
 // device memory. Also routes ops that have both a CPU kernel and a composite to the CPU one.
 #include "aten.h"
 
+#include <algorithm>
 #include <bitset>
 #include <unordered_set>
 
@@ -618,6 +619,64 @@ void nested_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
 }
+
+// GroupNorm's backward on channels-last activations. CPU's autograd formula hands
+// native_group_norm_backward the gradient and input in the input's memory format; off the CPU
+// it makes them contiguous, and CPU's kernel sums the two layouts in different orders, so the
+// gradients differed from CPU's in the last bits. The forward remembers (weakly, by the
+// storage of its `mean` output, which autograd saves) which calls saw a channels-last input;
+// their backward gets channels-last copies, as on the CPU. The copies are not charged: the
+// chip's kernel reads either layout.
+std::mutex g_gn_mutex;
+std::vector<std::pair<c10::weak_intrusive_ptr<c10::StorageImpl>, c10::MemoryFormat>> g_gn_layouts;
+
+void group_norm_forward(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& x = (*stack)[stack->size() - 8].toTensor();
+  const auto fmt = x.suggest_memory_format();
+  const bool strided = fmt != c10::MemoryFormat::Contiguous && !x.is_contiguous();
+  fallback(op, stack);
+  if (!strided) return;
+  const auto& mean = (*stack)[stack->size() - 2].toTensor();
+  std::lock_guard<std::mutex> lock(g_gn_mutex);
+  g_gn_layouts.erase(std::remove_if(g_gn_layouts.begin(), g_gn_layouts.end(),
+                                    [](const auto& e) { return e.first.expired(); }),
+                     g_gn_layouts.end());
+  g_gn_layouts.emplace_back(
+      c10::weak_intrusive_ptr<c10::StorageImpl>(
+          c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(mean.storage().unsafeGetStorageImpl())),
+      fmt);
+}
+
+void group_norm_backward(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  // (grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask)
+  const size_t base = stack->size() - 10;
+  auto fmt = c10::MemoryFormat::Contiguous;
+  {
+    const auto* storage = (*stack)[base + 2].toTensor().storage().unsafeGetStorageImpl();
+    std::lock_guard<std::mutex> lock(g_gn_mutex);
+    for (const auto& [weak, f] : g_gn_layouts) {
+      if (weak._unsafe_get_target() == storage && !weak.expired()) fmt = f;
+    }
+  }
+  if (fmt != c10::MemoryFormat::Contiguous) {
+    struct Unrecorded {
+      bool prev = set_recording(false);
+      ~Unrecorded() { set_recording(prev); }
+    } unrecorded;
+    for (size_t i : {base, base + 1}) {
+      const auto& t = (*stack)[i].toTensor();
+      if (t.defined() && t.is_contiguous()) (*stack)[i] = t.contiguous(fmt);
+    }
+  }
+  fallback(op, stack);
+}
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("native_group_norm", torch::CppFunction::makeFromBoxedFunction<&group_norm_forward>());
+  m.impl("native_group_norm_backward",
+         torch::CppFunction::makeFromBoxedFunction<&group_norm_backward>());
+}
+
 
 TORCH_LIBRARY_IMPL(_, NestedTensorPrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&nested_fallback>());
