@@ -26,6 +26,11 @@ from . import comm
 from ._metadata import install as _install_metadata_hooks
 from ._dlpack import install as _install_dlpack
 
+# CUDA's lazy-init flag. The runtime starts with the process, so it is always set;
+# torch.utils.checkpoint reads it to decide whether to stash and restore the device's RNG
+# states around the recomputed forward (without them, dropout drew new masks).
+_initialized = True
+
 _install_metadata_hooks()
 _install_dlpack()
 comm.install()
