@@ -291,7 +291,43 @@ def test_dropout_trains_like_cpu():
     torch.manual_seed(11)
     dev(x.to(DEV)).square().sum().backward()
     for p, q in zip(ref.parameters(), dev.parameters()):
-        torch.testing.assert_close(q.grad.cpu(), p.grad)
+        assert torch.equal(q.grad.cpu(), p.grad)
+
+
+def _layout(x, kind):
+    return {"contiguous": x, "transposed": x.t(),
+            "permuted": x.reshape(4, 6, 8).permute(2, 0, 1)}[kind]
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "transposed", "permuted"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("p", [0.1, 0.123, 0.5, 0.7])
+def test_dropout_equals_cpu_bit_for_bit(p, dtype, kind):
+    # F.dropout on the CPU is ATen's composite (input * noise / (1 - p), the noise in the
+    # input's layout), not native_dropout: neuron computes the same, forward and backward
+    x = torch.randn(24, 8).to(dtype)
+    x[0, :3] = torch.tensor([float("nan"), float("inf"), -0.0])
+    x = _layout(x, kind)
+    g = torch.randn_like(x)
+    got, want = [], []
+    for device, out in (("cpu", want), (DEV, got)):
+        xi = x.detach().to(device).requires_grad_()
+        torch.manual_seed(7)
+        y = F.dropout(xi, p)
+        y.backward(g.to(device))
+        inplace = x.to(device).clone()
+        torch.manual_seed(7)
+        F.dropout(inplace, p, inplace=True)
+        out += [y.detach().cpu(), xi.grad.cpu(), inplace.cpu()]
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+    for w, o in zip(want, got):   # bit for bit: NaN payloads and signed zeros too
+        assert torch.equal(o.view(bits[dtype]), w.view(bits[dtype]))
+    torch.manual_seed(7)
+    out, mask = torch.native_dropout(x, p, True)   # called directly: CPU's fused kernel
+    torch.manual_seed(7)
+    dout, dmask = torch.native_dropout(x.to(DEV), p, True)
+    assert torch.equal(dout.cpu().view(bits[dtype]), out.view(bits[dtype]))
+    assert torch.equal(dmask.cpu(), mask)
 
 
 def test_dropout_eval_and_empty():
