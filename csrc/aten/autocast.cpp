@@ -88,6 +88,21 @@ TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
 #undef _NEURON_FP32
 #undef _NEURON_FP32_OPT
 }
+
+// CUDA bans binary_cross_entropy under autocast (a float16 probability saturates near 0 and 1);
+// its with-logits form is autocast-safe. Without the ban the op failed on a dtype mismatch.
+Tensor binary_cross_entropy_banned(const Tensor&, const Tensor&, const optional<Tensor>&,
+                                   int64_t) {
+  TORCH_CHECK(false,
+              "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to "
+              "autocast (on neuron as on CUDA): a sigmoid followed by binary cross entropy is "
+              "computed safely by torch.nn.functional.binary_cross_entropy_with_logits or "
+              "torch.nn.BCEWithLogitsLoss, which autocast to float32.");
+}
+
+TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
+  m.impl("binary_cross_entropy", TORCH_FN(binary_cross_entropy_banned));
+}
 }  // namespace autocast_policy
 
 }  // namespace neuron

@@ -304,6 +304,7 @@ bool run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   c10::SmallVector<std::pair<size_t, c10::IValue>, 2> originals;  // mutable args as passed
   int gen_slot = -1;
   at::Generator gen_dev;
+  c10::optional<c10::Device> other_generator;  // a generator not of the device
 
   for (size_t i = 0; i < n; ++i) {
     c10::IValue& iv = (*stack)[base + i];
@@ -328,6 +329,20 @@ bool run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       for (size_t k = 0; k < list.size(); ++k) {
         if (is_device_tensor(list.get(k))) { any = true; break; }
       }
+      // A host tensor among device tensors is refused as CUDA refuses it (torch.cat), except
+      // index lists (a device tensor indexed by host indices, as on CUDA) and _foreach_
+      // scalars. A 0-d host tensor passes, as a single one does.
+      if (ctx.cpu_arg.empty() && args[i].name() != "indices" &&
+          !(args[i].name() == "scalars" && schema.name().rfind("aten::_foreach_", 0) == 0)) {
+        for (size_t k = 0; k < list.size(); ++k) {
+          const c10::IValue e = list.get(k);
+          if (e.isTensor() && e.toTensor().defined() && e.toTensor().device().is_cpu() &&
+              e.toTensor().dim() > 0) {
+            ctx.cpu_arg = args[i].name();
+            break;
+          }
+        }
+      }
       if (!any) continue;
       if (mut) originals.emplace_back(i, iv);
       auto copy = list.copy();
@@ -348,6 +363,8 @@ bool run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       if (g.device().type() == kDevice) {
         gen_slot = static_cast<int>(i);
         gen_dev = g;
+      } else {
+        other_generator = g.device();
       }
     } else if (iv.isNone() && is_generator_arg(args[i])) {
       gen_slot = static_cast<int>(i);
@@ -364,6 +381,14 @@ bool run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
                 "devices, neuron:", int(ctx.device), " and cpu! (when checking argument '",
                 ctx.cpu_arg, "' of ", schema.operator_name(), ")");
   }
+  // As CUDA's check_generator: a device op takes the device's generators, a host op the
+  // CPU's (a neuron generator alone routes a host op here: its key set says PrivateUse1).
+  TORCH_CHECK(!other_generator, "Expected a 'neuron' device type for generator but found '",
+              other_generator ? c10::DeviceTypeName(other_generator->type(), true) : "", "' (",
+              schema.operator_name(), ")");
+  TORCH_CHECK(!gen_dev.defined() || ctx.device != -1 || ctx.cpu_arg.empty(),
+              "Expected a 'cpu' device type for generator but found 'neuron' (",
+              schema.operator_name(), " has no neuron tensor)");
   if (ctx.device == -1) ctx.device = current_device();
 
   // Random ops draw from the device's generator through a CPU generator carrying its state.
@@ -641,10 +666,9 @@ void group_norm_forward(const c10::OperatorHandle& op, torch::jit::Stack* stack)
   g_gn_layouts.erase(std::remove_if(g_gn_layouts.begin(), g_gn_layouts.end(),
                                     [](const auto& e) { return e.first.expired(); }),
                      g_gn_layouts.end());
-  g_gn_layouts.emplace_back(
-      c10::weak_intrusive_ptr<c10::StorageImpl>(
-          c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(mean.storage().unsafeGetStorageImpl())),
-      fmt);
+  auto storage = c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(
+      mean.storage().unsafeGetStorageImpl());
+  g_gn_layouts.emplace_back(c10::weak_intrusive_ptr<c10::StorageImpl>(storage), fmt);
 }
 
 void group_norm_backward(const c10::OperatorHandle& op, torch::jit::Stack* stack) {

@@ -13,6 +13,8 @@
 #include <ATen/ops/clone_native.h>
 #include <ATen/ops/view_native.h>
 #include <ATen/native/ConvUtils.h>
+#include <ATen/native/ResizeCommon.h>
+#include <ATen/native/TensorFactories.h>
 #include <ATen/native/transformers/attention.h>
 #include <ATen/ops/_fused_sdp_choice_native.h>
 #include <ATen/SparseCsrTensorImpl.h>
@@ -52,6 +54,18 @@ struct CurrentDevice {
   }
 };
 
+// torch.use_deterministic_algorithms(True) with fill_uninitialized_memory (the default): new
+// memory holds NaN (floats) or the largest value (integers), as CPU's and CUDA's empty do.
+bool deterministic_fill() {
+  const auto& ctx = at::globalContext();
+  return ctx.deterministicAlgorithms() && ctx.deterministicFillUninitializedMemory();
+}
+
+at::Tensor fill_if_deterministic(at::Tensor t) {
+  if (C10_UNLIKELY(deterministic_fill())) at::native::fill_empty_deterministic_(t);
+  return t;
+}
+
 at::Tensor empty_memory_format(c10::IntArrayRef size, c10::optional<c10::ScalarType> dtype,
                                c10::optional<c10::Layout> layout,
                                c10::optional<c10::Device> device, c10::optional<bool> pin_memory,
@@ -61,9 +75,9 @@ at::Tensor empty_memory_format(c10::IntArrayRef size, c10::optional<c10::ScalarT
   (void)pin_memory;
   auto d = resolve(device);
   CurrentDevice g(d);
-  return at::detail::empty_generic(size, allocator(),
-                                   c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
-                                   c10::dtype_or_default(dtype), memory_format);
+  return fill_if_deterministic(at::detail::empty_generic(
+      size, allocator(), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+      c10::dtype_or_default(dtype), memory_format));
 }
 
 at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
@@ -74,9 +88,9 @@ at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
   (void)pin_memory;
   auto d = resolve(device);
   CurrentDevice g(d);
-  return at::detail::empty_strided_generic(size, stride, allocator(),
-                                           c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
-                                           c10::dtype_or_default(dtype));
+  return fill_if_deterministic(at::detail::empty_strided_generic(
+      size, stride, allocator(), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+      c10::dtype_or_default(dtype)));
 }
 
 at::Tensor host_side(const at::Tensor& t, const char* role) {
@@ -234,7 +248,11 @@ const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
   }
   size_t needed = at::detail::computeStorageNbytes(size, impl->strides(), self.element_size(),
                                                    impl->storage_offset());
+  const auto old_nbytes = static_cast<int64_t>(self.storage().nbytes());
   resize_bytes(self, needed);
+  if (C10_UNLIKELY(deterministic_fill())) {
+    at::native::fill_resize_deterministic_(self, old_nbytes);
+  }
   return self;
 }
 
@@ -347,6 +365,24 @@ at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& w
                                     c10::IntArrayRef padding, c10::IntArrayRef dilation,
                                     bool transposed, c10::IntArrayRef output_padding,
                                     int64_t groups) {
+  // As CUDA's convolution: the weight and bias are tensors of the input's device (a module
+  // left on the CPU is an error, not a host convolution). Types are named as t.type() names
+  // them (torch.neuron.FloatTensor).
+  auto type_name = [](const at::Tensor& t) {
+    return t.device().type() == kDevice
+               ? std::string("torch.neuron.") + c10::toString(t.scalar_type()) + "Tensor"
+               : t.toString();
+  };
+  for (const auto* t : {&weight, bias ? &*bias : nullptr}) {
+    if (!t || !t->defined()) continue;
+    TORCH_CHECK(t->device().type() == input.device().type(), "Input type (", type_name(input),
+                ") and ", t == &weight ? "weight" : "bias", " type (", type_name(*t),
+                ") should be the same");
+    TORCH_CHECK(t->device() == input.device(), "Expected all tensors to be on the same device, "
+                "but found at least two devices, ", input.device(), " and ", t->device(),
+                "! (when checking argument '", t == &weight ? "weight" : "bias",
+                "' of aten::convolution)");
+  }
   if (auto r = sr_convolution("aten::convolution_overrideable", input, weight, bias, stride,
                               padding, dilation, transposed, output_padding, groups)) {
     return r->back().toTensor();

@@ -201,6 +201,18 @@ def test_promote_ops_mixing_half_and_bfloat16_run_in_float32():
         assert torch.addcmul(a, a, a.float()).dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_binary_cross_entropy_is_banned_under_autocast_as_on_cuda(dtype):
+    x, t = torch.randn(4, 3, device=DEV), torch.rand(4, 3, device=DEV)
+    lin = torch.nn.Linear(3, 3).to(DEV)
+    with torch.autocast(DEV, dtype=dtype):
+        with pytest.raises(RuntimeError, match="unsafe to autocast.*with_logits"):
+            torch.nn.functional.binary_cross_entropy(torch.sigmoid(lin(x)), t)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(lin(x), t)
+    assert loss.dtype == torch.float32
+    assert torch.nn.functional.binary_cross_entropy(torch.sigmoid(x), t).dtype == torch.float32
+
+
 # --- Backend tensor metadata ----------------------------------------------------------------
 def test_tensor_metadata_is_kept_and_survives_save_load_and_detach():
     x = torch.randn(4, device=DEV)

@@ -134,6 +134,83 @@ def test_cross_device_op_raises_cuda_error():
     assert (a * 2).sum().item() == 6
 
 
+@pytest.mark.parametrize("call", [
+    lambda a, c: torch.cat([a, c]),
+    lambda a, c: torch.stack([a, c]),
+    lambda a, c: torch.hstack([a, c]),
+    lambda a, c: torch._foreach_mul_([a.view(3)], [c.view(3)]),
+    lambda a, c: torch._foreach_addcmul([a.view(3)], [c.view(3)], [a.view(3)]),
+], ids=["cat", "stack", "hstack", "foreach_mul_", "foreach_addcmul"])
+def test_host_tensor_in_a_list_raises_cuda_error(call):
+    a, c = torch.ones(1, 1, 3, device=N), torch.ones(1, 1, 3)
+    for _ in range(3):   # the first call of a signature and the queued ones alike
+        with pytest.raises(RuntimeError, match="same device.*neuron:0 and cpu"):
+            call(a, c)
+    assert torch.equal(torch.cat([a, a]).cpu(), torch.ones(2, 1, 3))
+
+
+def test_host_index_lists_and_foreach_scalars_stay_allowed():
+    x = torch.arange(10.0, device=N)
+    idx = torch.tensor([1, 3])
+    assert torch.equal(x[idx].cpu(), torch.tensor([1.0, 3.0]))     # host indices, as on CUDA
+    x.index_put_((idx,), torch.tensor(0.0, device=N))
+    assert x[1].item() == 0.0
+    ts = [torch.ones(2, device=N), torch.ones(2, device=N)]
+    torch._foreach_addcmul_(ts, ts, ts, torch.tensor([2.0, 3.0]))   # CUDA's host `scalars`
+    assert ts[1].cpu().tolist() == [4.0, 4.0]
+    torch._foreach_mul_(ts, torch.tensor(0.5))                        # a host 0-d tensor
+    assert ts[0].cpu().tolist() == [1.5, 1.5]
+
+
+def test_convolution_checks_its_parameters_device():
+    x = torch.ones(1, 1, 5, device=N)
+    with pytest.raises(RuntimeError, match=r"Input type \(torch.neuron.FloatTensor\) and "
+                                           r"weight type \(torch.FloatTensor\)"):
+        torch.nn.functional.conv1d(x, torch.ones(1, 1, 3))
+    with pytest.raises(RuntimeError, match="bias type"):
+        torch.nn.functional.conv1d(x, torch.ones(1, 1, 3, device=N), torch.ones(1))
+    with pytest.raises(RuntimeError, match="neuron:0 and neuron:1"):
+        torch.nn.functional.conv1d(x, torch.ones(1, 1, 3, device="neuron:1"))
+    with pytest.raises(RuntimeError, match="weight type"):
+        torch.nn.Conv2d(1, 1, 1)(torch.ones(1, 1, 2, 2, device=N))   # the module left on the CPU
+    with pytest.raises(RuntimeError, match="weight type"):
+        torch.nn.functional.conv_transpose1d(x, torch.ones(1, 1, 3))
+    assert torch.nn.functional.conv1d(x, torch.ones(1, 1, 3, device=N)).sum().item() == 9.0
+
+
+def test_generators_of_another_device_raise_cuda_error():
+    with pytest.raises(RuntimeError, match="Expected a 'neuron' device type for generator but "
+                                           "found 'cpu'"):
+        torch.rand(2, device=N, generator=torch.Generator())
+    with pytest.raises(RuntimeError, match="Expected a 'cpu' device type for generator but "
+                                           "found 'neuron'"):
+        torch.rand(2, generator=torch.Generator(N))
+    g = torch.Generator(N).manual_seed(1)
+    a = torch.rand(3, device=N, generator=g)
+    torch.manual_seed(1)
+    assert torch.equal(a.cpu(), torch.rand(3))
+
+
+def test_deterministic_mode_fills_new_memory_as_cpu_does():
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for dtype in (torch.float32, torch.bfloat16, torch.int32, torch.int64, torch.bool):
+            for make in (lambda d: torch.empty(3, 4, dtype=dtype, device=d),
+                         lambda d: torch.empty_strided((3, 4), (1, 3), dtype=dtype, device=d),
+                         lambda d: torch.ones(2, dtype=dtype, device=d).new_empty(5)):
+                want, got = make("cpu"), make(N).cpu()
+                assert torch.equal(got.isnan() if dtype.is_floating_point else got,
+                                   want.isnan() if dtype.is_floating_point else want)
+        r = torch.zeros(2, device=N)
+        r.resize_(6)
+        w = torch.zeros(2)
+        w.resize_(6)
+        assert torch.equal(r.cpu().isnan(), w.isnan()) and r[:2].cpu().tolist() == [0.0, 0.0]
+    finally:
+        torch.use_deterministic_algorithms(prev)
+
+
 def test_views_inplace_and_out():
     x = torch.arange(24.0).reshape(4, 6)
     d = x.to(N)
