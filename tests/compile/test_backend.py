@@ -315,3 +315,26 @@ def test_embedding_backward_bitwise_inductor_cpu_when_deterministic():
         torch.use_deterministic_algorithms(was)
     assert torch.equal(loss, ref_loss)
     assert torch.equal(grad, ref_grad)
+
+
+def test_scatter_add_of_a_graph_compiled_on_the_device_is_cpus():
+    # A CPU scalar in the graph (DeBERTa-v2's sqrt(tensor(...)) scale) compiles it on the neuron
+    # device directly; its gather backward is a scatter-add, which for C++ code Inductor hands
+    # to ATen's scatter_reduce_ on CPU. Inductor's own atomic-add loop indexed the transposed
+    # tile wrongly here: gradients off by 0.06, then heap corruption.
+    torch.manual_seed(0)
+    x = torch.randn(8, 12, 16, requires_grad=True)
+    s = torch.randn(8, 12, 12, requires_grad=True)
+    idx = torch.randint(0, 16, (1, 12, 12))
+
+    def f(s, x, idx):
+        scale = torch.sqrt(torch.tensor(24.0)).to(s.dtype)
+        p2c = torch.gather(x, -1, idx.squeeze(0).expand(8, 12, 12)).transpose(-1, -2)
+        return (torch.softmax((s + p2c / scale).view(2, 4, 12, 12), -1) ** 2).sum()
+
+    f(s, x, idx).backward()
+    dx = x.detach().to(DEV).requires_grad_()
+    ds = s.detach().to(DEV).requires_grad_()
+    torch.compile(f, backend="neuron")(ds, dx, idx.to(DEV)).backward()
+    torch.testing.assert_close(dx.grad.cpu(), x.grad)
+    torch.testing.assert_close(ds.grad.cpu(), s.grad)

@@ -67,6 +67,25 @@ def _patch_inductor_host_checks() -> None:
 
     scheduler.BaseSchedulerNode.is_cpu = node_is_cpu
 
+    # Scatter-add: for C++ code Inductor falls back to ATen's scatter_reduce_ only when the
+    # source is on "cpu" (its atomic-add loop can index a transposed tile wrongly: a
+    # DeBERTa backward compiled on the neuron device wrote out of bounds). Neuron's kernels
+    # are the same C++, so the CPU rule applies.
+    inner_fallback = utils.use_scatter_fallback
+
+    def use_scatter_fallback(op_overload, reduction_type, self_dtype, src_dtype,
+                             src_device_type, src_is_tensor):
+        if src_device_type == _DEVICE:
+            src_device_type = "cpu"
+        return inner_fallback(op_overload, reduction_type, self_dtype, src_dtype,
+                              src_device_type, src_is_tensor)
+
+    for name in ("torch._inductor.utils", "torch._inductor.lowering",
+                 "torch._inductor.decomposition"):
+        mod = sys.modules.get(name)
+        if mod is not None and getattr(mod, "use_scatter_fallback", None) is inner_fallback:
+            mod.use_scatter_fallback = use_scatter_fallback
+
 
 def _arg_kinds(arg_types) -> str | None:
     """'r'/'w'/'i' per kernel argument (read pointer, written pointer, int64), else None."""
