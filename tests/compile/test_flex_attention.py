@@ -150,3 +150,50 @@ def test_default_inductor_flex_layouts_and_cached_graph(tmp_path):
         run = subprocess.run([sys.executable, "-c", prog], env=env, capture_output=True,
                              text=True, timeout=300)
         assert "flex ok" in run.stdout, run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("backend", ["neuron", "inductor"])
+def test_gradient_through_the_returned_logsumexp(backend):
+    # Transformers asks for the logsumexp off the CPU (return_lse), and AOTAutograd then
+    # passes its gradient to the backward even when the loss does not use it
+    from torch.nn.attention.flex_attention import AuxRequest
+    torch.manual_seed(0)
+    L = 128
+    allowed = _I[:L, None] >= _I[None, :L]
+    qc, kc, vc = (torch.randn(2, 2, L, D, requires_grad=True) for _ in range(3))
+    s = (qc @ kc.transpose(-1, -2) / math.sqrt(D)).masked_fill(~allowed, float("-inf"))
+    ref, ref_lse = s.softmax(-1) @ vc, s.logsumexp(-1)
+    (ref.square().sum() + ref_lse.square().sum()).backward()
+
+    block_mask = create_block_mask(causal, 2, None, L, L, device=DEV)
+    fn = torch.compile(lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask,
+                                                      return_aux=AuxRequest(lse=True)),
+                       backend=backend)
+    q, k, v = (t.detach().to(DEV).requires_grad_() for t in (qc, kc, vc))
+    out, aux = fn(q, k, v)
+    (out.square().sum() + aux.lse.square().sum()).backward()
+    torch.testing.assert_close(aux.lse.detach().cpu(), ref_lse.detach(), atol=2e-5, rtol=2e-5)
+    for a, b in ((q, qc), (k, kc), (v, vc)):
+        torch.testing.assert_close(a.grad.cpu(), b.grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["neuron", "inductor"])
+def test_captured_padding_mask_across_dynamic_recompiles(backend):
+    # A mask_mod reading a padding tensor captures its sizes once shapes go dynamic (the
+    # second length recompiles dynamically): generate() with flex attention does this
+    fa = torch.compile(flex_attention, backend=backend)
+    for L in (16, 24, 32):
+        pad = torch.ones(2, L, dtype=torch.bool)
+        pad[1, L - 4:] = False
+        pad_d = pad.to(DEV)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return pad_d[b, kv_idx] & (kv_idx <= q_idx)
+
+        block_mask = create_block_mask(mask_mod, 2, None, L, L, device=DEV)
+        q = torch.randn(2, 4, L, 8)
+        out = fa(q.to(DEV), q.to(DEV), q.to(DEV), block_mask=block_mask)
+        i = torch.arange(L)
+        allowed = pad[:, None, None, :] & (i[None, None, None, :] <= i[None, None, :, None])
+        s = (q @ q.transpose(-1, -2) / math.sqrt(8)).masked_fill(~allowed, float("-inf"))
+        torch.testing.assert_close(out.cpu(), s.softmax(-1) @ q, atol=2e-5, rtol=2e-5)

@@ -63,6 +63,30 @@ def _identity_score(score, b, h, q, kv, *bufs):
     return score
 
 
+def _split(score_bufs, mask_bufs, is_int):
+    """The captured values of score_mod and mask_mod as the ops take them: their tensors, the
+    integers among them (sizes a dynamic-shape graph captures), and each integer's slot:
+    p for position p of score_mod's, -1 - p for position p of mask_mod's."""
+    ints, slots = [], []
+    for sign, bufs in ((1, score_bufs), (-1, mask_bufs)):
+        for p, b in enumerate(bufs):
+            if is_int(b):
+                ints.append(b)
+                slots.append(p if sign > 0 else -1 - p)
+    keep = [[b for b in bufs if not is_int(b)] for bufs in (score_bufs, mask_bufs)]
+    return keep[0], keep[1], ints, slots
+
+
+def _join(score_tensors, mask_tensors, ints, slots):
+    score, mask = list(score_tensors), list(mask_tensors)
+    for value, slot in sorted(zip(ints, slots), key=lambda e: abs(e[1] + 0.5)):
+        if slot >= 0:
+            score.insert(slot, value)
+        else:
+            mask.insert(-1 - slot, value)
+    return score, mask
+
+
 def _fns(key: str):
     try:
         return _FN_REGISTRY[key]
@@ -150,8 +174,12 @@ def _attend(q, k, v, kv_num, kv_idx, full_num, full_idx, score_bufs, mask_bufs, 
         p = torch.exp(modded - safe_max.detach())
         denom = p.sum(-1, keepdim=True)
         out = (p / torch.where(denom == 0, torch.ones_like(denom), denom)).to(q.dtype) @ vs
+        # (the row maximum detached, as in p: the logsumexp's gradient is the softmax alone;
+        # log of 1 where nothing is visible, so it meets no infinite slope in the branch
+        # `where` discards)
         lse = torch.where(denom == 0, torch.full_like(denom, -math.inf),
-                          torch.log(denom) + safe_max)
+                          torch.log(torch.where(denom == 0, torch.ones_like(denom), denom))
+                          + safe_max.detach())
         outs.append(out)
         lses.append(lse.squeeze(-1))
         maxes.append(row_max.squeeze(-1))
@@ -212,31 +240,40 @@ def _define_ops() -> None:
     lib.define(
         "flex_attention(Tensor q, Tensor k, Tensor v, Tensor kv_num_blocks, Tensor kv_indices, "
         "Tensor? full_kv_num_blocks, Tensor? full_kv_indices, Tensor[] score_buffers, "
-        "Tensor[] mask_buffers, str fn_key, float scale, int q_block, int kv_block) "
-        "-> (Tensor, Tensor, Tensor)")
+        "Tensor[] mask_buffers, SymInt[] captured_ints, int[] int_slots, str fn_key, "
+        "float scale, int q_block, int kv_block) -> (Tensor, Tensor, Tensor)")
     lib.define(
         "flex_attention_backward(Tensor q, Tensor k, Tensor v, Tensor grad_out, "
-        "Tensor kv_num_blocks, Tensor kv_indices, Tensor? full_kv_num_blocks, "
-        "Tensor? full_kv_indices, Tensor[] score_buffers, Tensor[] mask_buffers, str fn_key, "
+        "Tensor? grad_logsumexp, Tensor kv_num_blocks, Tensor kv_indices, "
+        "Tensor? full_kv_num_blocks, Tensor? full_kv_indices, Tensor[] score_buffers, "
+        "Tensor[] mask_buffers, SymInt[] captured_ints, int[] int_slots, str fn_key, "
         "float scale, int q_block, int kv_block) -> (Tensor, Tensor, Tensor, Tensor[])")
 
-    def fwd(q, k, v, kv_num, kv_idx, full_num, full_idx, score_bufs, mask_bufs, key, scale,
-            q_block, kv_block):
+    def fwd(q, k, v, kv_num, kv_idx, full_num, full_idx, score_bufs, mask_bufs, ints, slots,
+            key, scale, q_block, kv_block):
+        score_bufs, mask_bufs = _join(score_bufs, mask_bufs, ints, slots)
         with torch.no_grad(), _as_nkilib("fwd", q, k, kv_num, full_num, key, kv_block):
             out, lse, mx = _attend(q, k, v, kv_num, kv_idx, full_num, full_idx, score_bufs,
                                    mask_bufs, key, scale, q_block, kv_block)
         # Same units as PyTorch's flex_attention op: log2 (the caller multiplies by ln 2).
         return out, (lse / _LN2).float(), (mx / _LN2).float()
 
-    def bwd(q, k, v, grad_out, kv_num, kv_idx, full_num, full_idx, score_bufs, mask_bufs, key,
-            scale, q_block, kv_block):
+    def bwd(q, k, v, grad_out, grad_lse, kv_num, kv_idx, full_num, full_idx, score_bufs,
+            mask_bufs, ints, slots, key, scale, q_block, kv_block):
         with torch.enable_grad(), _as_nkilib("bwd", q, k, kv_num, full_num, key, kv_block):
             qd, kd, vd = (t.detach().requires_grad_(True) for t in (q, k, v))
             bufs = [b.detach().requires_grad_(b.is_floating_point()) for b in score_bufs]
-            out, _, _ = _attend(qd, kd, vd, kv_num, kv_idx, full_num, full_idx, bufs,
-                                mask_bufs, key, scale, q_block, kv_block)
+            all_score, all_mask = _join(bufs, mask_bufs, ints, slots)
+            out, lse, _ = _attend(qd, kd, vd, kv_num, kv_idx, full_num, full_idx, all_score,
+                                  all_mask, key, scale, q_block, kv_block)
             wrt = [qd, kd, vd] + [b for b in bufs if b.requires_grad]
-            grads = torch.autograd.grad(out, wrt, grad_out, allow_unused=True)
+            # A logsumexp the caller used (Transformers returns it off the CPU) adds its
+            # gradient, in the forward's log2 units.
+            outs, grads_in = [out], [grad_out]
+            if grad_lse is not None:
+                outs.append((lse / _LN2).float())
+                grads_in.append(grad_lse)
+            grads = torch.autograd.grad(outs, wrt, grads_in, allow_unused=True)
         # Each gradient in its input's layout, as the fake says (Inductor checks the strides).
         grads = [torch.zeros_like(t) if g is None else
                  g if g.stride() == t.stride() else torch.empty_like(t).copy_(g)
@@ -245,15 +282,15 @@ def _define_ops() -> None:
         buf_grads = [next(it) if b.requires_grad else torch.zeros_like(b) for b in bufs]
         return grads[0], grads[1], grads[2], buf_grads
 
-    def fwd_fake(q, k, v, kv_num, kv_idx, full_num, full_idx, score_bufs, mask_bufs, key, scale,
-                 q_block, kv_block):
+    def fwd_fake(q, k, v, kv_num, kv_idx, full_num, full_idx, score_bufs, mask_bufs, ints,
+                 slots, key, scale, q_block, kv_block):
         B, H, L, _ = q.shape
         out = q.new_empty(B, H, L, v.shape[-1])
         return out, q.new_empty(B, H, L, dtype=torch.float32), \
             q.new_empty(B, H, L, dtype=torch.float32)
 
-    def bwd_fake(q, k, v, grad_out, kv_num, kv_idx, full_num, full_idx, score_bufs, mask_bufs,
-                 key, scale, q_block, kv_block):
+    def bwd_fake(q, k, v, grad_out, grad_lse, kv_num, kv_idx, full_num, full_idx, score_bufs,
+                 mask_bufs, ints, slots, key, scale, q_block, kv_block):
         return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
                 [torch.empty_like(b) for b in score_bufs])
 
@@ -264,16 +301,16 @@ def _define_ops() -> None:
     torch.library.register_fake("neuron::flex_attention_backward", bwd_fake, lib=lib)
 
     def setup_context(ctx, inputs, output):
-        (q, k, v, kv_num, kv_idx, full_num, full_idx, score_bufs, mask_bufs, key, scale,
-         q_block, kv_block) = inputs
+        (q, k, v, kv_num, kv_idx, full_num, full_idx, score_bufs, mask_bufs, ints, slots, key,
+         scale, q_block, kv_block) = inputs
         ctx.save_for_backward(q, k, v, kv_num, kv_idx,
                               *(t for t in (full_num, full_idx) if t is not None),
                               *score_bufs, *mask_bufs)
-        ctx.meta = (full_num is not None, len(score_bufs), len(mask_bufs), key, scale,
-                    q_block, kv_block)
+        ctx.meta = (full_num is not None, len(score_bufs), len(mask_bufs), list(ints),
+                    list(slots), key, scale, q_block, kv_block)
 
-    def backward(ctx, grad_out, _grad_lse, _grad_max):
-        has_full, n_s, n_m, key, scale, q_block, kv_block = ctx.meta
+    def backward(ctx, grad_out, grad_lse, _grad_max):
+        has_full, n_s, n_m, ints, slots, key, scale, q_block, kv_block = ctx.meta
         saved = list(ctx.saved_tensors)
         q, k, v, kv_num, kv_idx = saved[:5]
         rest = saved[5:]
@@ -281,15 +318,28 @@ def _define_ops() -> None:
         rest = rest[2:] if has_full else rest
         score_bufs, mask_bufs = rest[:n_s], rest[n_s:n_s + n_m]
         dq, dk, dv, dbufs = torch.ops.neuron.flex_attention_backward(
-            q, k, v, grad_out.contiguous(), kv_num, kv_idx, full_num, full_idx, score_bufs,
-            mask_bufs, key, scale, q_block, kv_block)
+            q, k, v, grad_out.contiguous(), grad_lse, kv_num, kv_idx, full_num, full_idx,
+            score_bufs, mask_bufs, ints, slots, key, scale, q_block, kv_block)
         # Same structure as the inputs: list arguments get lists of gradients.
-        return (dq, dk, dv, None, None, None, None, list(dbufs), [None] * n_m, None, None,
-                None, None)
+        return (dq, dk, dv, None, None, None, None, list(dbufs), [None] * n_m,
+                [None] * len(ints), [None] * len(slots), None, None, None, None)
 
     torch.library.register_autograd("neuron::flex_attention", backward,
                                     setup_context=setup_context, lib=lib)
     _lib = lib
+
+
+def _fx_int(node) -> bool:
+    if isinstance(node, torch.fx.Node):   # Dynamo's graphs keep "example_value"
+        val = node.meta.get("val", node.meta.get("example_value"))
+    else:
+        val = node
+    return isinstance(val, (int, torch.SymInt))
+
+
+def _ir_int(value) -> bool:
+    import sympy
+    return isinstance(value, (int, sympy.Expr))
 
 
 def rewrite(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -307,11 +357,12 @@ def rewrite(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         score_mod = getattr(gm, score_node.target) if score_node is not None else None
         mask_mod = getattr(gm, mask_node.target)
         key = _register_fns(score_mod, mask_mod)
+        s_t, m_t, ints, slots = _split(score_bufs, mask_bufs, _fx_int)
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(
                 torch.ops.neuron.flex_attention.default,
-                (q, k, v, kv_num, kv_idx, full_num, full_idx, list(score_bufs),
-                 list(mask_bufs), key, float(scale), int(q_block), int(kv_block)))
+                (q, k, v, kv_num, kv_idx, full_num, full_idx, s_t, m_t, ints, slots, key,
+                 float(scale), int(q_block), int(kv_block)))
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
@@ -367,9 +418,9 @@ def install_inductor_lowerings() -> None:
             return inner_fwd(query, key, value, subgraph, block_mask, scale, kernel_options,
                              score_mod_other_buffers, mask_mod_other_buffers)
         kv_num, kv_idx, full_num, full_idx = block_mask[2:6]
+        s_t, m_t, ints, slots = _split(score_mod_other_buffers, mask_mod_other_buffers, _ir_int)
         return L.fallback_handler(torch.ops.neuron.flex_attention.default, add_to_fallback_set=False)(
-            query, key, value, kv_num, kv_idx, full_num, full_idx,
-            list(score_mod_other_buffers), list(mask_mod_other_buffers),
+            query, key, value, kv_num, kv_idx, full_num, full_idx, s_t, m_t, ints, slots,
             _key(subgraph, block_mask), float(scale), int(block_mask[-3]), int(block_mask[-2]))
 
     def bwd(*args, **kwargs):
@@ -378,17 +429,15 @@ def install_inductor_lowerings() -> None:
          mask_mod_other_buffers) = args
         if query.get_device().type != "neuron":
             return inner_bwd(*args, **kwargs)
-        if grad_logsumexp is not None:
-            raise NotImplementedError(
-                "neuron flex_attention: a gradient through the returned logsumexp is not "
-                "supported (the backward recomputes attention from q, k, v and grad_out)")
         kv_num, kv_idx, full_num, full_idx = block_mask[2:6]
+        s_t, m_t, ints, slots = _split(score_mod_other_buffers, mask_mod_other_buffers, _ir_int)
         dq, dk, dv, dbufs = L.fallback_handler(
             torch.ops.neuron.flex_attention_backward.default, add_to_fallback_set=False)(
-            query, key, value, grad_out, kv_num, kv_idx, full_num, full_idx,
-            list(score_mod_other_buffers), list(mask_mod_other_buffers),
-            _key(fw_graph, block_mask), float(scale), int(block_mask[-3]), int(block_mask[-2]))
-        return dq, dk, dv, tuple(dbufs)
+            query, key, value, grad_out, grad_logsumexp, kv_num, kv_idx, full_num, full_idx,
+            s_t, m_t, ints, slots, _key(fw_graph, block_mask), float(scale),
+            int(block_mask[-3]), int(block_mask[-2]))
+        it = iter(dbufs)   # one gradient per captured value of score_mod: None for integers
+        return dq, dk, dv, tuple(None if _ir_int(b) else next(it) for b in score_mod_other_buffers)
 
     fwd._neuron = bwd._neuron = True
     L.lowerings[fwd_hop] = fwd
