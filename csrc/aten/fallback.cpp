@@ -381,14 +381,12 @@ bool run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
                 "devices, neuron:", int(ctx.device), " and cpu! (when checking argument '",
                 ctx.cpu_arg, "' of ", schema.operator_name(), ")");
   }
-  // As CUDA's check_generator: a device op takes the device's generators, a host op the
-  // CPU's (a neuron generator alone routes a host op here: its key set says PrivateUse1).
+  // As CUDA's check_generator, a device op takes only the device's generators. The converse
+  // is AWS's: a neuron generator drives a host op (its key set routes the op here) and
+  // advances, as diffusers' randn_tensor expects when it draws neuron latents on the CPU.
   TORCH_CHECK(!other_generator, "Expected a 'neuron' device type for generator but found '",
               other_generator ? c10::DeviceTypeName(other_generator->type(), true) : "", "' (",
               schema.operator_name(), ")");
-  TORCH_CHECK(!gen_dev.defined() || ctx.device != -1 || ctx.cpu_arg.empty(),
-              "Expected a 'cpu' device type for generator but found 'neuron' (",
-              schema.operator_name(), " has no neuron tensor)");
   if (ctx.device == -1) ctx.device = current_device();
 
   // Random ops draw from the device's generator through a CPU generator carrying its state.

@@ -178,17 +178,20 @@ def test_convolution_checks_its_parameters_device():
     assert torch.nn.functional.conv1d(x, torch.ones(1, 1, 3, device=N)).sum().item() == 9.0
 
 
-def test_generators_of_another_device_raise_cuda_error():
+def test_a_host_generator_on_a_device_op_raises_cuda_error():
     with pytest.raises(RuntimeError, match="Expected a 'neuron' device type for generator but "
                                            "found 'cpu'"):
         torch.rand(2, device=N, generator=torch.Generator())
-    with pytest.raises(RuntimeError, match="Expected a 'cpu' device type for generator but "
-                                           "found 'neuron'"):
-        torch.rand(2, generator=torch.Generator(N))
     g = torch.Generator(N).manual_seed(1)
     a = torch.rand(3, device=N, generator=g)
     torch.manual_seed(1)
     assert torch.equal(a.cpu(), torch.rand(3))
+    # AWS's converse, which diffusers' randn_tensor relies on: a neuron generator drives a
+    # host op (latents drawn on the CPU) and advances
+    g.manual_seed(2)
+    host = torch.randn(4, generator=g)
+    assert host.device.type == "cpu" and g.get_offset() > 0
+    assert torch.equal(host, torch.randn(4, generator=torch.Generator().manual_seed(2)))
 
 
 def test_deterministic_mode_fills_new_memory_as_cpu_does():
