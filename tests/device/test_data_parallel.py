@@ -110,6 +110,9 @@ def test_comm_functions_against_cpu():
     for k, (ca, cb) in enumerate(per_device):
         assert ca.device.index == cb.device.index == k
         assert torch.equal(ca.cpu(), a) and torch.equal(cb.cpu(), b)
+    ad = a.to(N)
+    twice = comm.broadcast_coalesced([ad, b.to(N), ad], [0, 1])[1]   # a tensor listed twice
+    assert torch.equal(twice[0].cpu(), a) and torch.equal(twice[2].cpu(), a)
     total = comm.reduce_add([a.to(f"{N}:{i}") for i in range(3)], destination=1)
     assert total.device.index == 1 and torch.equal(total.cpu(), a + a + a)
 

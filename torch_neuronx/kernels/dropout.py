@@ -5,7 +5,8 @@ argument. ``aten::native_dropout`` has none, so its CPU kernel would draw from t
 default generator: ``torch.neuron.manual_seed`` would not reach dropout and dropout would
 advance CPU's stream, unlike CUDA, where dropout draws from the device's generator. This
 kernel performs the CPU kernel's steps (a boolean Bernoulli mask of the keep probability in
-the input's layout, then ``input * (mask * scale)`` in the input's dtype) with ``bernoulli_`` on the device, which the fallback routes to
+the input's layout, then ``input * (mask * scale)`` in the input's dtype) with ``bernoulli_``
+on the device, which the fallback routes to
 the neuron generator, so a seed gives CPU's numbers and only the device stream advances.
 
 ``F.dropout`` itself (``aten::dropout`` / ``dropout_``) reaches ``native_dropout`` only off
@@ -48,22 +49,26 @@ def _noise(input, p):
     return noise.div_(1 - p)
 
 
-def _dropout(input: torch.Tensor, p: float, train: bool):
-    _check_p(p)
+def _composite(input, p, train, multiply):
+    """ATen's CPU composite, ``multiply`` being ``Tensor.mul`` or, for ``dropout_``,
+    ``Tensor.mul_``."""
+    if not 0 <= p <= 1:
+        raise RuntimeError(f"dropout probability has to be between 0 and 1, but got {p}")
     if p == 0 or not train or input.numel() == 0:
         return input
     if p == 1:
-        return input * torch.zeros((), dtype=input.dtype, device=input.device)
-    return input * _noise(input, p)
+        return multiply(input, torch.zeros((), dtype=input.dtype, device=input.device))
+    noise = torch.empty_like(input)   # the input's layout: the draw follows its memory order
+    noise.bernoulli_(1 - p)
+    return multiply(input, noise.div_(1 - p))
+
+
+def _dropout(input: torch.Tensor, p: float, train: bool):
+    return _composite(input, p, train, torch.Tensor.mul)
 
 
 def _dropout_(input: torch.Tensor, p: float, train: bool):
-    _check_p(p)
-    if p == 0 or not train or input.numel() == 0:
-        return input
-    if p == 1:
-        return input.mul_(torch.zeros((), dtype=input.dtype, device=input.device))
-    return input.mul_(_noise(input, p))
+    return _composite(input, p, train, torch.Tensor.mul_)
 
 
 _lib.impl("native_dropout", _native_dropout, "PrivateUse1")

@@ -67,18 +67,23 @@ def _broadcast_coalesced(tensors, devices, buffer_size):
             raise RuntimeError(f"broadcast_coalesced: all tensors must be on devices[0] "
                                f"({_device(devices[0])}), but tensor {i} is on {t.device}")
     outputs = [list(tensors)] + [[None] * len(tensors) for _ in devices[1:]]
-    position = {id(t): i for i, t in enumerate(tensors)}
-    dense = [t for t in tensors if not t.is_sparse]
+    # _take_tensors groups by type, so each copy finds its slot again (a tensor listed twice
+    # has two slots, filled in order)
+    slots = {}
+    for i, t in enumerate(tensors):
+        slots.setdefault(id(t), []).append(i)
     for t in tensors:
         if t.is_sparse:
+            i = slots[id(t)].pop(0)
             for k, copy in enumerate(_broadcast(t, devices[1:]), 1):
-                outputs[k][position[id(t)]] = copy
-    for bucket in _take_tensors(dense, buffer_size):
+                outputs[k][i] = copy
+    for bucket in _take_tensors([t for t in tensors if not t.is_sparse], buffer_size):
         flat = _flatten_dense_tensors(bucket)
+        where = [slots[id(t)].pop(0) for t in bucket]
         for k, d in enumerate(devices[1:], 1):
-            on_d = flat.to(_device(d), non_blocking=True)
-            for t, piece in zip(bucket, _unflatten_dense_tensors(on_d, bucket)):
-                outputs[k][position[id(t)]] = piece.data
+            pieces = _unflatten_dense_tensors(flat.to(_device(d), non_blocking=True), bucket)
+            for i, piece in zip(where, pieces):
+                outputs[k][i] = piece.data
     return outputs
 
 
