@@ -78,6 +78,7 @@ void launch_kernel(void* fn, const std::string& name, const std::string& kinds,
     // Host memory the host may change after the call returns: run now, on this thread,
     // once the device has produced the kernel's device inputs.
     queue::synchronize_all();
+    queue::HostThreads threads(bytes);
     call(fn, words);
     return;
   }
@@ -90,14 +91,14 @@ void launch_kernel(void* fn, const std::string& name, const std::string& kinds,
     // NEURON_LAUNCH_BLOCKING=1, a synchronous region or the stream checker: run it now, as
     // eager ops run then, so that an error is raised by the launch that caused it.
     queue::synchronize(d);
-    queue::HostThreads threads;
+    queue::HostThreads threads(bytes);
     call(fn, words);
     return;
   }
   // The tensors ride along so that their memory outlives the kernel, as an eager op's do.
   queue::launch(d, stream, op,
                 [fn, words = std::move(words), tensors = std::move(tensors)] { call(fn, words); },
-                bytes);
+                bytes, queue::launch_threads(bytes));
 }
 
 }  // namespace neuron::compiled

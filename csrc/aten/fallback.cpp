@@ -305,6 +305,7 @@ bool run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   int gen_slot = -1;
   at::Generator gen_dev;
   c10::optional<c10::Device> other_generator;  // a generator not of the device
+  int64_t bytes_in = 0;  // the device memory read, as the launch path counts it
 
   for (size_t i = 0; i < n; ++i) {
     c10::IValue& iv = (*stack)[base + i];
@@ -314,6 +315,7 @@ bool run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       const at::Tensor& t = iv.toTensor();
       if (!t.defined()) continue;
       if (t.device().type() == kDevice) {
+        bytes_in += t.numel() * t.element_size();
         if (mut) originals.emplace_back(i, iv);
         iv = ctx.to_host(t, mut);
       } else if (t.device().is_cpu() && t.dim() > 0 && ctx.cpu_arg.empty() &&
@@ -348,7 +350,9 @@ bool run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       auto copy = list.copy();
       for (size_t k = 0; k < copy.size(); ++k) {
         c10::IValue e = copy.get(k);
-        if (is_device_tensor(e)) copy.set(k, ctx.to_host(e.toTensor(), mut));
+        if (!is_device_tensor(e)) continue;
+        bytes_in += e.toTensor().numel() * e.toTensor().element_size();
+        copy.set(k, ctx.to_host(e.toTensor(), mut));
       }
       iv = std::move(copy);
     } else if (iv.isDevice()) {
@@ -400,7 +404,7 @@ bool run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     (*stack)[base + gen_slot] = c10::IValue(gen_host);
   }
 
-  queue::HostThreads threads;  // the device's thread count, as if queued
+  queue::HostThreads threads(bytes_in);  // the count it would have run with, queued
   bool by_policy = false;
   std::vector<c10::IValue> kept;
   if (g_dtype_retry && policy_takes(&schema, stack->data() + base, n)) {

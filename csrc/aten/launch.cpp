@@ -677,7 +677,8 @@ bool try_launch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   std::function<void()> run = make_run();
   stack->erase(stack->begin() + base, stack->end());
   for (auto& r : results) stack->push_back(std::move(r));
-  queue::launch(a.device, stream_id, name, std::move(run), a.bytes_in + bytes_out);
+  queue::launch(a.device, stream_id, name, std::move(run), a.bytes_in + bytes_out,
+                queue::launch_threads(a.bytes_in));
   return true;
 }
 

@@ -201,6 +201,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_set_device_threads", &neuron::queue::set_device_threads,
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("_device_threads", &neuron::queue::device_threads);
+  m.def("_enter_compiled", &neuron::queue::enter_compiled);
+  m.def("_exit_compiled", &neuron::queue::exit_compiled);
   m.def("_synchronize_all", &neuron::queue::synchronize_all,
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("_enter_sync", &neuron::queue::enter_sync, pybind11::call_guard<pybind11::gil_scoped_release>());

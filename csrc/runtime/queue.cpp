@@ -37,6 +37,7 @@ std::atomic<bool> g_blocking{false};
 std::atomic<int> g_device_threads{0};  // 0: each launch takes its launcher's count
 thread_local int t_sync_depth = 0;
 thread_local bool t_executor = false;  // this thread is a device's executor
+thread_local int t_compiled = 0;        // depth of compiled-graph calls on this thread
 
 // ATen initialises a thread's counts at its first parallel call, from the process-wide
 // setting: done now for libtorch's and this library's copies of that check, so that a count
@@ -103,13 +104,14 @@ class DeviceQueue {
  public:
   explicit DeviceQueue(c10::DeviceIndex d) : device_(d) {}
 
-  uint64_t launch(const char* op, int64_t stream, std::function<void()> run, int64_t bytes) {
+  uint64_t launch(const char* op, int64_t stream, std::function<void()> run, int64_t bytes,
+                  int threads = 0) {
     Item it;
     it.op = op;
     it.bytes = bytes;
     it.run = std::move(run);
     it.inference = c10::InferenceMode::is_enabled();
-    it.threads = launch_threads();
+    it.threads = threads > 0 ? threads : launch_threads(bytes);
     if (g_capture) it.site = g_capture();
     if (trace::on()) it.traced = trace::on_launch(op, device_, stream);
     std::unique_lock<std::mutex> lk(mu_);
@@ -444,10 +446,10 @@ void set_device_threads(int n) {
   synchronize_all();  // work already queued keeps the count it was launched with
   g_device_threads.store(n);
 }
-HostThreads::HostThreads() {
-  const int n = device_threads();
-  if (n == 0 || t_executor) return;
+HostThreads::HostThreads(int64_t bytes) {
+  if (t_executor || (device_threads() == 0 && t_compiled == 0)) return;
   init_thread_counts();  // ATen's lazy per-thread set-up must not undo this later
+  const int n = launch_threads(bytes);
   if (omp_get_max_threads() == n) return;
   omp = omp_get_max_threads();
   omp_set_num_threads(n);
@@ -458,10 +460,22 @@ HostThreads::~HostThreads() {
   omp_set_num_threads(omp);
   MKL_Set_Num_Threads_Local(mkl);
 }
-int launch_threads() {
-  const int n = device_threads();
-  return n > 0 ? n : at::get_num_threads();
+int launch_threads(int64_t bytes) {
+  const int device = device_threads();
+  if (device > 0) return device;
+  const int n = at::get_num_threads();
+  // A compiled graph's small kernels leave the host thread a core. The host keeps issuing
+  // the step's work while they run; a team as wide as the machine then waits at each of its
+  // barriers for a worker the scheduler parked for Python (compiled steps of small models
+  // ran 2-4x Inductor-CPU's time). Compiled results are Inductor's within its tolerance, not
+  // CPU eager's bits, and the count depends only on the launcher's and the work's size, so
+  // a graph gives the same bits on every run. Large work keeps every core: the host is
+  // usually waiting for it.
+  if (t_compiled > 0 && bytes >= 0 && bytes < kBigBytes && n > 1) return n - 1;
+  return n;
 }
+int enter_compiled() { return t_compiled++; }
+void exit_compiled(int depth) { t_compiled = depth; }
 bool asynchronous() { return !g_blocking.load(std::memory_order_relaxed) && t_sync_depth == 0; }
 void set_blocking(bool on) {
   if (on) synchronize_all();
@@ -503,9 +517,9 @@ uint64_t launch_now(c10::DeviceIndex d, int64_t stream, const char* op, std::fun
 }
 
 uint64_t launch(c10::DeviceIndex d, int64_t stream, const char* op, std::function<void()> run,
-                int64_t bytes) {
+                int64_t bytes, int threads) {
   close_window(d);
-  return get(d).launch(op, stream, std::move(run), bytes);
+  return get(d).launch(op, stream, std::move(run), bytes, threads);
 }
 
 void synchronize(c10::DeviceIndex d) {

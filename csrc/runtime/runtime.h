@@ -74,15 +74,19 @@ struct Site {  // where Python launched a piece of work: a few frames, resolved 
 };
 bool asynchronous();  // false under NEURON_LAUNCH_BLOCKING=1 or inside a synchronous region
 // The intra-op thread count queued work runs with, fixed at launch: the device's own count if
-// set (set_device_threads(n > 0)), else the launching thread's torch.get_num_threads().
-// Anything that reproduces a kernel's per-thread split (fusion/) must use it too.
-int launch_threads();
+// set (set_device_threads(n > 0)), else the launching thread's torch.get_num_threads(); work
+// of a compiled graph under 2 MiB (`bytes`, when known) leaves the launching thread a core
+// (queue.cpp). Anything that reproduces a kernel's per-thread split (fusion/) must use it too.
+int launch_threads(int64_t bytes = -1);
 int device_threads();  // 0: not set
 void set_device_threads(int n);
+// A compiled graph's call runs between enter_compiled() and exit_compiled(depth it returned).
+int enter_compiled();
+void exit_compiled(int depth);
 // Device work run on the calling thread (synchronous ops, blocking mode) runs with the
 // device's count too, for the same results as when queued.
 struct HostThreads {
-  HostThreads();
+  explicit HostThreads(int64_t bytes = -1);
   ~HostThreads();
   HostThreads(const HostThreads&) = delete;
   HostThreads& operator=(const HostThreads&) = delete;
@@ -103,8 +107,9 @@ void close_all_windows();
 // bytes: the memory the work reads and writes. A host waiting for the device spins while
 // small work runs and sleeps while large work runs (spinning would take a core from its
 // parallel loop).
+// threads: the count the work runs with (0: launch_threads(bytes)).
 uint64_t launch(c10::DeviceIndex d, int64_t stream, const char* op, std::function<void()> run,
-                int64_t bytes = 0);
+                int64_t bytes = 0, int threads = 0);
 uint64_t launch_now(c10::DeviceIndex d, int64_t stream, const char* op, std::function<void()> run,
                     int64_t bytes = 0);
 void synchronize(c10::DeviceIndex d);

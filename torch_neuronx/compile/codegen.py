@@ -208,6 +208,20 @@ def _classes():
                                                  triton=triton, arg_types=arg_types,
                                                  **kwargs)
 
+        def generate_after_suffix(self, result) -> None:
+            super().generate_after_suffix(result)
+            # The graph's work is launched as a compiled graph's (its thread count:
+            # docs/compile.md), also when it raises.
+            result.splice('''
+                _neuron_graph_call = call
+                def call(args):
+                    depth = _neuron_rt._enter_compiled()
+                    try:
+                        return _neuron_graph_call(args)
+                    finally:
+                        _neuron_rt._exit_compiled(depth)
+                ''')
+
         def generate_return(self, output_refs) -> None:
             # Emitted last in call(), once every kernel is known (symbolic sizes are bound
             # by then): the graph's modelled cost is charged on every run.
