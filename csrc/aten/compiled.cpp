@@ -98,7 +98,7 @@ void launch_kernel(void* fn, const std::string& name, const std::string& kinds,
   // The tensors ride along so that their memory outlives the kernel, as an eager op's do.
   queue::launch(d, stream, op,
                 [fn, words = std::move(words), tensors = std::move(tensors)] { call(fn, words); },
-                bytes, queue::launch_threads(bytes));
+                bytes);
 }
 
 }  // namespace neuron::compiled
