@@ -1,10 +1,10 @@
 """NKI-lib kernels: simulator speed against PyTorch on CPU, modelled FlashAttention
 throughput on trn2/trn3, and what routing SDPA's cost through NKI-lib adds to a call.
 
-    .venv/bin/python bench/bench_nkilib.py [--quick] [--tflops] [--moe]
+    .venv/bin/python bench/bench_nkilib.py [--quick] [--tflops] [--moe] [--moe-cte]
 
-``--tflops`` runs part 2 only, ``--moe`` part 4 only (deterministic: the modelled numbers do
-not depend on the host).
+``--tflops`` runs part 2 only, ``--moe`` part 4 only, ``--moe-cte`` part 5 only
+(deterministic: the modelled numbers do not depend on the host).
 
 1. Host time of the simulated kernel vs the PyTorch reference of the same math on CPU
    (a report: the simulator executes every instruction in NumPy).
@@ -15,6 +15,9 @@ not depend on the host).
 4. MoE decode: modelled moe_tkg latency against the time to stream the picked experts'
    weights (the core's share of HBM or its DMA queues, whichever is less), and the fused
    moe_block_tkg against RMSNorm + router + experts as three kernels.
+5. MoE prefill: modelled moe_cte latency and TFLOPS (every slot of every block computed,
+   padding included) against one core's TensorE peak, with the engines' busy shares; and
+   Transformers' Mixtral experts on neuron, modelled as one NKI-lib kernel vs as their ops.
 """
 from __future__ import annotations
 
@@ -172,8 +175,80 @@ def moe_decode():
                       f"vs three kernels {parts:.1f} us ({parts / block.latency_us:.2f}x)")
 
 
+def moe_prefill():
+    from nkilib.core.moe.moe_cte.moe_cte import moe_cte
+    print("5. modelled MoE prefill: moe_cte, bf16, top-2 of 8 experts, random routing")
+    T, H, I, E, k, B = 2048, 1024, 1024, 8, 2, 512
+    rng = np.random.default_rng(0)
+    top = np.argsort(-rng.standard_normal((T, E)), axis=1)[:, :k]
+    aff = np.zeros((T + 1, E), np.float32)
+    pos, b2e = [], []
+    for e in range(E):
+        toks = [t for t in range(T) if e in top[t]]
+        aff[toks, e] = 1.0 / k
+        for s in range(0, len(toks), B):
+            pos += toks[s:s + B] + [T] * (B - len(toks[s:s + B]))
+            b2e.append(e)
+    h = rng.standard_normal((T + 1, H)).astype(BF16)
+    h[T] = 0
+    wgu = (rng.standard_normal((E, H, 2, I)) / np.sqrt(H)).astype(BF16)
+    wd = (rng.standard_normal((E, I, H)) / np.sqrt(I)).astype(BF16)
+    for target in ("trn2", "trn3"):
+        peak = get_profile(target).peak_flops("bfloat16", 1)
+        r = nki.benchmark(moe_cte, target=target)(
+            h, aff.astype(BF16).reshape(-1, 1), wgu, wd, np.array(pos, np.int32),
+            np.array(b2e, np.int32).reshape(-1, 1), B)
+        flops = len(b2e) * B * 6 * H * I
+        tf = flops / (r.latency_ns * 1e-9) / 1e12
+        busy = " / ".join(f"{2 * r.engine_busy_pct[e]:.0f}"     # one of LNC=2 cores
+                          for e in ("tensor", "vector", "scalar", "gpsimd", "dma"))
+        print(f"   {target} T={T} H={H} I={I} E={E} top-{k} B={B}: {len(b2e)} blocks, "
+              f"{r.latency_us:.1f} us, {tf:.1f} TFLOPS ({tf * 1e12 / peak:.0%} of peak), "
+              f"busy T/V/S/G/DMA {busy}%")
+    experts_as_kernel_vs_ops()
+
+
+def experts_as_kernel_vs_ops():
+    """Transformers' Mixtral experts (grouped_mm) on neuron, bf16, trn2 LNC=2: the modelled
+    forward charged as one NKI-lib kernel (the route) against the same call's ATen ops each
+    charged on its own (the unwrapped function)."""
+    from transformers import MixtralConfig
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    import torch_neuronx
+
+    def charges(fn):
+        torch.neuron.synchronize()
+        torch_neuronx.reset_modelled_time()
+        fn()
+        torch.neuron.synchronize()
+        return torch_neuronx.modelled_time().seconds
+
+    print("   Mixtral experts (grouped_mm), bf16, trn2: modelled forward, ops vs kernel")
+    for T, H, E in ((64, 512, 8), (512, 256, 4), (2048, 1024, 8)):
+        cfg = MixtralConfig(hidden_size=H, intermediate_size=H, num_local_experts=E,
+                            num_experts_per_tok=2)
+        cfg._experts_implementation = "grouped_mm"
+        torch.manual_seed(0)
+        blk = MixtralSparseMoeBlock(cfg).to(torch.bfloat16)
+        with torch.no_grad():
+            for prm in blk.parameters():
+                prm.normal_(std=0.05)
+        blk.to("neuron")
+        with torch.no_grad():
+            h = torch.randn(T, H, dtype=torch.bfloat16).to("neuron")
+            _, w, idx = blk.gate(h)
+            kernel = charges(lambda: blk.experts(h, idx, w))
+            raw = ALL_EXPERTS_FUNCTIONS["grouped_mm"].__wrapped__
+            ops = charges(lambda: raw(blk.experts, h, idx, w))
+        print(f"   T={T} H=I={H} E={E} top-2: ops {ops * 1e3:.3f} ms, kernel "
+              f"{kernel * 1e3:.3f} ms ({ops / kernel:.1f}x)")
+
+
 if __name__ == "__main__":
-    if "--tflops" in sys.argv:
+    if "--moe-cte" in sys.argv:
+        moe_prefill()
+    elif "--tflops" in sys.argv:
         flash_tflops()
     elif "--moe" in sys.argv:
         moe_decode()
@@ -182,3 +257,4 @@ if __name__ == "__main__":
         flash_tflops()
         routing_overhead()
         moe_decode()
+        moe_prefill()

@@ -493,13 +493,18 @@ def reset_modelled_time(device=None) -> None:
 
 def _add_time(device: int, name: str, seconds: float, *, engine: str, launches: int = 1,
               hbm_bytes: int = 0, link_bytes: int = 0, flops: float = 0.0, shapes=None,
-              dtype=None, bytes_in: int = 0, bytes_out: int = 0, group_size: int = 0,
-              nodes: int = 0) -> None:
+              dtype=None, bytes_in: int = 0, bytes_out: int = 0, flags: int = 0,
+              group_size: int = 0, nodes: int = 0) -> None:
     """Add work that the op records cannot see: fused kernels of compiled graphs (engine
     "fused"), NKI kernels ("nki", from the simulator's engine timeline), collectives
     ("collective", ``link_bytes`` over the interconnect among ``group_size`` ranks on
     ``nodes`` nodes) and calls charged as a library kernel (``shapes``, ``dtype``,
-    ``bytes_in``/``bytes_out``: what ``op_seconds`` priced, if it did)."""
+    ``bytes_in``/``bytes_out``, ``flags``: what ``op_seconds`` priced, if it did). Nothing is
+    added on a thread whose op records are off."""
+    if not _C._op_records():
+        # inside a scope that charges its body as one kernel (charged_as): its Python
+        # kernels' own charges are that kernel's too
+        return
     if type(device) is not int:
         from .neuron import _index
         device = _index(device)
@@ -516,8 +521,8 @@ def _add_time(device: int, name: str, seconds: float, *, engine: str, launches: 
             listen((device, 0, name, engine, seconds, launches))
         if _op_listeners or _added_listeners:
             charge = OpCharge(device, 0, name, engine, seconds, launches, flops, hbm_bytes,
-                              shapes, dtype, bytes_in, bytes_out, link_bytes=link_bytes,
-                              group_size=group_size, nodes=nodes)
+                              shapes, dtype, bytes_in, bytes_out, flags,
+                              link_bytes=link_bytes, group_size=group_size, nodes=nodes)
             for listen in _op_listeners:
                 listen(charge)
             for listen in _added_listeners:

@@ -291,6 +291,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_is_capturing", &neuron::is_capturing);
   m.def("_set_quiet", &neuron::set_quiet);
   m.def("_set_op_records", &neuron::set_recording);
+  m.def("_op_records", &neuron::recording);
   // Launches the device's Adaptive Eager window now, without waiting for it: a kernel that
   // charges its own modelled time closes it before and after its ops, so that exactly its
   // ops run unrecorded (synchronize would also block and end a timeline epoch).

@@ -10,7 +10,7 @@ import neuronhw
 from nki import errors as E
 from nkilib.core.moe.moe_cte.grouped_mm import grouped_mm
 from nkilib.core.moe.moe_cte.moe_cte import MoECTESpec, moe_cte
-from nkilib.core.utils.common_types import ActFnType
+from nkilib.core.utils.common_types import ActFnType, ExpertAffinityScaleMode
 
 BF16 = ml_dtypes.bfloat16
 TARGETS = ["trn2", "trn3"]
@@ -105,6 +105,24 @@ def test_moe_cte_rejects():
         nki.simulate(moe_cte)(h, aff, wgu, wd, pos, b2e, B, gate_up_proj_scale=wd)
     with pytest.raises(E.ShapeMismatchError, match="moe_cte: down_proj_weight"):
         nki.simulate(moe_cte)(h, aff, wgu, wd[:, :64], pos, b2e, B)
+    bad = pos.copy()
+    bad[5] = 101                # past the padding row
+    with pytest.raises(E.IndexOutOfBoundsError, match="dma_copy: indirect src offset"):
+        nki.simulate(moe_cte)(h, aff, wgu, wd, bad, b2e, B)
+
+
+def test_moe_cte_padding_row_is_never_read_into_the_output():
+    """Padding slots gather the padding row (here NaN) and are dropped at the scatter: the
+    output's padding row stays zero and no NaN reaches a token's row."""
+    h, aff, wgu, wd, pos, b2e, B = _moe_inputs(np.float32, T=150, H=128, I=128, E=3, k=2, B=128)
+    ref = _moe_ref(h, aff, wgu, wd)
+    h[150] = np.nan
+    for scaling in (ExpertAffinityScaleMode.POST_SCALE, ExpertAffinityScaleMode.NO_SCALE):
+        out = nki.simulate(moe_cte)(h, aff, wgu, wd, pos, b2e, B,
+                                    expert_affinities_scaling_mode=scaling)
+        assert np.all(out[150] == 0) and np.isfinite(out).all()
+        if scaling == ExpertAffinityScaleMode.POST_SCALE:
+            np.testing.assert_allclose(out[:150], ref[:150], atol=1e-4 * np.abs(ref).max())
 
 
 # ------------------------------------------------------------------ grouped_mm

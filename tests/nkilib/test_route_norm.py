@@ -17,23 +17,9 @@ from nkilib.core.subkernels.layernorm_tkg import layernorm_tkg
 from nkilib.core.subkernels.rmsnorm_tkg import rmsnorm_tkg
 from torch_neuronx import _state, cost_model
 from torch_neuronx.kernels import nkilib_routes as routes
+from _charges import charges as _charges  # noqa: E402  (this folder)
 
 _NP = {torch.float32: np.float32, torch.bfloat16: ml_dtypes.bfloat16}
-
-
-def _charges(fn):
-    """(result, [OpCharge] of everything fn ran on the device)."""
-    torch.neuron.synchronize()
-    cost_model._drain()
-    seen = []
-    cost_model._op_listeners.append(seen.append)
-    try:
-        out = fn()
-        torch.neuron.synchronize()
-        cost_model._drain()
-    finally:
-        cost_model._op_listeners.remove(seen.append)
-    return out, seen
 
 
 def _expected_seconds(kernel, rows, H, dtype, **kw):

@@ -2,7 +2,8 @@
 
 Importing this package is cheap: it installs import hooks that register the device with
 Dynamo and Inductor the first time either is imported (``import torch`` must stay fast and
-must not import them). The backend itself is ``"neuron"`` in Dynamo's registry (entry point
+must not import them), and one that wraps Transformers' MoE experts functions
+(``kernels/moe.py``). The backend itself is ``"neuron"`` in Dynamo's registry (entry point
 ``torch_dynamo_backends``); ``torch.compile(model)`` with Inductor also works on neuron.
 
 Public API:
@@ -68,10 +69,18 @@ def _on_inductor_flex(_module) -> None:
     flex.install_inductor_lowerings()
 
 
+def _on_transformers_moe(module) -> None:
+    # not a compiler hook: the same post-import mechanism lets the device charge
+    # Transformers' MoE experts as NKI-lib's kernels (kernels/moe.py)
+    from ..kernels import moe
+    moe.install(module)
+
+
 _HOOKS = {"torch._dynamo": _on_dynamo, "torch._inductor.codegen.common": _on_inductor_common,
           "torch._inductor.decomposition": _on_inductor_decomposition,
           "torch.nn.attention.flex_attention": _on_flex_attention,
-          "torch._inductor.kernel.flex.flex_attention": _on_inductor_flex}
+          "torch._inductor.kernel.flex.flex_attention": _on_inductor_flex,
+          "transformers.integrations.moe": _on_transformers_moe}
 
 
 class _PostImportHook(importlib.abc.MetaPathFinder):

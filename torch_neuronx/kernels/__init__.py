@@ -4,5 +4,5 @@ Off the CPU, PyTorch takes CUDA's paths: fused RNN cells, SyncBatchNorm's pieces
 attention entries, dropout on the device generator, ops with CUDA-only dtypes. Each module
 holds one such path; ``cuda_only`` lists every CUDA-only ATen op and what neuron does with it.
 """
-from . import (attention, cuda_only, dropout, dtypes, grouped_mm, nkilib_routes, norms,  # noqa: F401
-               quantized, rms_norm, rnn, scaled_mm, stochastic_rounding, sync_batchnorm)
+from . import (attention, cuda_only, dropout, dtypes, grouped_mm, moe, nkilib_routes,  # noqa: F401
+               norms, quantized, rms_norm, rnn, scaled_mm, stochastic_rounding, sync_batchnorm)

@@ -237,7 +237,8 @@ def charged_as(device, name, seconds, *, engine, flops=0.0, hbm_bytes=0, **price
     which the host then runs fused with the body while the op keeps its own charge, as on
     the chip, where the kernel is a launch of its own. ``priced``: the shapes, dtype and
     bytes ``seconds`` was priced from (``cost_model.op_seconds``), kept in the charge so a
-    what-if can re-price it."""
+    what-if can re-price it. Scopes nest: only the outermost charges (the cost model adds
+    nothing on a thread whose op records are off)."""
     idx = device.index if device.index is not None else torch.neuron.current_device()
     prev = _C._set_op_records(False)
     try:

@@ -18,12 +18,14 @@ Quantization, MX, activation checkpointing, DMA skipping, PRE_SCALE and the shar
 variants raise ``UnsupportedError``. Ours, beyond AWS's constraints: H a multiple of 128,
 any I, block_size a multiple of 128.
 
-Slots holding the padding id T are skipped: the padding row of the output stays zero. Each
-other token slot costs three small DMAs (its hidden row, its affinity, its output row);
+Slots holding the padding id T are dropped: the padding row of the output stays zero. Rows
+move by indirect DMA (software DGE), 128 token slots per DMA: the hidden rows and the
+affinities gathered by the slots' token ids, the output rows scattered (added) back;
 TensorE transposes the gathered rows into the K-on-partitions layout it contracts over,
 hidden index h = p * (H / 128) + k on partition p, chunk k, the order in which the weights'
-rows are contiguous per partition. The next block's gather is issued before this block's matmuls, so the DMA queues
-fill it while TensorE works.
+rows are contiguous per partition, a PSUM bank of transposes per copy out. The next block's
+gather is issued before this block's matmuls, and the weights stream up to two chunks ahead
+across blocks (``_WeightStream``), so the DMA queues fill them while TensorE works.
 """
 from __future__ import annotations
 
@@ -43,6 +45,9 @@ from ...utils.refuse import refuse_given, unsupported
 from ..expert_act import act_fn, combine
 
 _BANK_F32 = 512          # fp32 values per partition in one 2 KiB PSUM bank
+_BANK_BYTES = 2048
+_AHEAD = 2               # weight chunks in flight beyond the one in use, at most ...
+_WEIGHT_SBUF = 96 * 1024  # ... while every chunk in SBUF fits in this many bytes per partition
 _I_CHUNK = 512           # columns of the gate and of the up projection loaded per DMA
 
 
@@ -155,11 +160,12 @@ def moe_cte(hidden_states, expert_affinities_masked, gate_up_proj_weight, down_p
     c.g_ring = nl.ndarray((P, 2, _BANK_F32), dtype=nl.float32, buffer=nl.psum)
     c.u_ring = nl.ndarray((P, 2, _BANK_F32), dtype=nl.float32, buffer=nl.psum)
     c.y_ring = nl.ndarray((P, 2, _BANK_F32), dtype=nl.float32, buffer=nl.psum)
-    c.t_ring = nl.ndarray((P, 2, P), dtype=c.dt, buffer=nl.psum)
+    # transposes land a bank's worth at a time (8 in bf16, 4 in fp32), one copy out per bank
+    c.t_group = min(c.kh, _BANK_BYTES // (P * dt.itemsize))
+    c.t_ring = nl.ndarray((P, 2, c.t_group * P), dtype=c.dt, buffer=nl.psum)
     c.n_gu = c.n_y = c.n_t = 0
-    ids = nl.ndarray((1, NB * B), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=ids, src=token_position_to_id.reshape((1, NB * B)))
-    c.ids = ids
+    c.pos = token_position_to_id
+    c.weights = _WeightStream(c, blocks)
     gathered = [_gather(c, *blocks[0])] if blocks else []
     for i, (n, e) in enumerate(blocks):
         if i + 1 < len(blocks):
@@ -170,6 +176,57 @@ def moe_cte(hidden_states, expert_affinities_masked, gate_up_proj_weight, down_p
         y = _down(c, e, g, actT)
         _scatter(c, g, y)
     return out
+
+
+class _WeightStream:
+    """Every block's weight chunks in the order the matmuls take them (gate/up chunks of
+    _I_CHUNK columns, then down chunks of a PSUM bank's width), loaded up to two chunks ahead
+    (as SBUF allows): the next chunks, of this block or the next, stream in while this one's
+    matmuls run."""
+
+    def __init__(self, c, blocks):
+        P = nl.tile_size.pmax
+        self.loads = []
+        for _, e in blocks:
+            w_e = c.wgu[e].reshape((P, c.kh, 2, c.I))   # row p * kh + k on partition p, chunk k
+            for i0 in range(0, c.I, _I_CHUNK):
+                self.loads.append(lambda w_e=w_e, i0=i0: _load_gate_up(c, w_e, i0))
+            for h0 in range(0, c.H, _BANK_F32):
+                self.loads.append(lambda e=e, h0=h0: _load_down(c, e, h0))
+        self.next = 0
+        item = c.dt.itemsize
+        chunk = item * max(c.kh * 2 * min(_I_CHUNK, c.I), c.ni * min(_BANK_F32, c.H))
+        ahead = max(0, min(_AHEAD, _WEIGHT_SBUF // chunk - 1))
+        self.ahead = [self._load() for _ in range(ahead)]
+
+    def _load(self):
+        if self.next == len(self.loads):
+            return None
+        self.next += 1
+        return self.loads[self.next - 1]()
+
+    def take(self):
+        if not self.ahead:
+            return self._load()
+        cur = self.ahead.pop(0)
+        self.ahead.append(self._load())
+        return cur
+
+
+def _load_gate_up(c, w_e, i0):
+    w = nl.ndarray((nl.tile_size.pmax, c.kh, 2, min(_I_CHUNK, c.I - i0)), dtype=c.dt,
+                   buffer=nl.sbuf)
+    nisa.dma_copy(dst=w, src=w_e[:, :, :, i0:i0 + w.shape[3]])
+    return w
+
+
+def _load_down(c, e, h0):
+    P = nl.tile_size.pmax
+    wd = nl.ndarray((P, c.ni, min(_BANK_F32, c.H - h0)), dtype=c.dt, buffer=nl.sbuf)
+    for ci in range(c.ni):
+        iw = min(P, c.I - ci * P)
+        nisa.dma_copy(dst=wd[0:iw, ci, :], src=c.wd[e, ci * P:ci * P + iw, h0:h0 + wd.shape[2]])
+    return wd
 
 
 def _zero(c):
@@ -212,43 +269,44 @@ class _Block:
 
 
 def _gather(c, n, e):
-    """The block's token rows, one contiguous row per DMA into h [128, B/128, H] (slot
-    j*128 + p on partition p), then TensorE transposes into hT [128, B, H/128] (K on
-    partitions, hidden index p*(H/128) + k at [p, :, k]); and the slots' affinities
-    for expert e into aff [128, B/128] (slot j*128 + p on partition p), one DMA per slot."""
+    """The block's token rows gathered by indirect DMA, 128 slots per DMA, into h [128, B/128,
+    H] (slot j*128 + p on partition p), then TensorE transposes into hT [128, H/128, B] (K on
+    partitions, hidden index p*(H/128) + k at [p, k, :]), a PSUM bank of transposes per copy; and the slots' affinities for
+    expert e into aff [128, B/128], gathered the same way. The slots' token ids land one per
+    partition in ids [128, B/128]; an id outside hidden_states' rows is the DMA's
+    out-of-bounds error. Padding slots read the padding row and are dropped at the scatter."""
     P = nl.tile_size.pmax
-    B = c.B
-    hT = nl.ndarray((P, B, c.kh), dtype=c.dt, buffer=nl.sbuf)
-    h = nl.ndarray((P, B // P, c.H), dtype=c.dt, buffer=nl.sbuf)
-    aff = nl.ndarray((P, B // P), dtype=nl.float32, buffer=nl.sbuf)
-    toks = []
-    for s in range(B):
-        nisa.register_load(c.reg, c.ids[0:1, n * B + s:n * B + s + 1])
-        t = int(c.reg)
-        if not 0 <= t < c.T1:
-            raise E.IndexOutOfBoundsError(f"moe_cte: token_position_to_id[{n * B + s}] = {t} is "
-                                          f"outside hidden_states' {c.T1} rows")
-        toks.append(t)
-    if c.T1 - 1 in toks:        # padding slots compute on zeros
-        nisa.memset(dst=h, value=0.0, engine=nisa.gpsimd_engine)
-        nisa.memset(dst=aff, value=0.0, engine=nisa.gpsimd_engine)
-    for s, t in enumerate(toks):
-        if t == c.T1 - 1:       # the padding id: its DMAs are skipped, as the DGE skips them
-            continue
-        nisa.dma_copy(dst=h[s % P:s % P + 1, s // P, :], src=c.h[t:t + 1, :])
+    B, H = c.B, c.H
+    nt = B // P
+    hT = nl.ndarray((P, c.kh, B), dtype=c.dt, buffer=nl.sbuf)
+    h = nl.ndarray((P, nt, H), dtype=c.dt, buffer=nl.sbuf)
+    aff = nl.ndarray((P, nt), dtype=nl.float32, buffer=nl.sbuf)
+    ids = nl.ndarray((P, nt), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=ids, src=c.pos[n * B:(n + 1) * B].reshape((nt, P)).ap(
+        [[1, P], [P, nt]]))
+    for j in range(nt):
+        nisa.dma_copy(dst=h[:, j, :], src=c.h.ap([[H, P], [1, H]], vector_offset=ids[:, j:j + 1]),
+                      dge_mode=nisa.dge_mode.swdge)
         if c.scale:
-            nisa.dma_copy(dst=aff[s % P:s % P + 1, s // P:s // P + 1], src=c.aff[t, e:e + 1])
-    for j in range(B // P):
-        for k in range(c.kh):
+            nisa.dma_copy(dst=aff[:, j:j + 1],
+                          src=c.aff.ap([[c.E, P], [1, 1]], offset=e, vector_offset=ids[:, j:j + 1]),
+                          dge_mode=nisa.dge_mode.swdge)
+    G = c.t_group
+    for j in range(nt):
+        for k0 in range(0, c.kh, G):
+            g = min(G, c.kh - k0)
             slot = c.n_t % 2
             c.n_t += 1
-            tp = c.t_ring[:, slot, :]
-            nisa.nc_transpose(dst=tp, data=h[:, j, k::c.kh])
+            tp = c.t_ring[:, slot, 0:g * P]
+            for k in range(g):
+                nisa.nc_transpose(dst=tp[:, k * P:(k + 1) * P], data=h[:, j, k0 + k::c.kh])
+            dst = hT[:, k0:k0 + g, j * P:(j + 1) * P]
+            src = tp.reshape((P, g, P))
             if slot:
-                nisa.activation(dst=hT[:, j * P:(j + 1) * P, k], op=nl.copy, data=tp)
+                nisa.activation(dst=dst, op=nl.copy, data=src)
             else:
-                nisa.tensor_copy(dst=hT[:, j * P:(j + 1) * P, k], src=tp)
-    return _Block(n=n, e=e, hT=hT, aff=aff, toks=toks)
+                nisa.tensor_copy(dst=dst, src=src)
+    return _Block(n=n, e=e, hT=hT, aff=aff, ids=ids)
 
 
 def _gate_up(c, e, g):
@@ -257,7 +315,6 @@ def _gate_up(c, e, g):
     P = nl.tile_size.pmax
     B, I = c.B, c.I
     actT = nl.ndarray((P, c.ni, B), dtype=c.dt, buffer=nl.sbuf)
-    w_e = c.wgu[e].reshape((P, c.kh, 2, I))       # row p * kh + k on partition p, chunk k
     bias = None
     if c.bgu is not None:       # per-I biases, I on partitions: [128, ni, 2]
         bias = nl.ndarray((P, c.ni, 2), dtype=nl.float32, buffer=nl.sbuf)
@@ -268,8 +325,7 @@ def _gate_up(c, e, g):
                               src=c.bgu[e, j, ci * P:ci * P + iw].reshape((iw, 1)))
     for i0 in range(0, I, _I_CHUNK):
         icw = min(_I_CHUNK, I - i0)
-        w = nl.ndarray((P, c.kh, 2, icw), dtype=c.dt, buffer=nl.sbuf)
-        nisa.dma_copy(dst=w, src=w_e[:, :, :, i0:i0 + icw])
+        w = c.weights.take()
         for s0 in range(0, icw, P):
             iw, ci = min(P, icw - s0), (i0 + s0) // P
             for b0 in range(0, B, _BANK_F32):
@@ -280,10 +336,10 @@ def _gate_up(c, e, g):
                 up = c.u_ring[0:iw, slot, 0:bw]
                 for k in range(c.kh):
                     nisa.nc_matmul(dst=gp, stationary=w[:, k, 0, s0:s0 + iw],
-                                   moving=g.hT[:, b0:b0 + bw, k], accumulate=k > 0)
+                                   moving=g.hT[:, k, b0:b0 + bw], accumulate=k > 0)
                 for k in range(c.kh):
                     nisa.nc_matmul(dst=up, stationary=w[:, k, 1, s0:s0 + iw],
-                                   moving=g.hT[:, b0:b0 + bw, k], accumulate=k > 0)
+                                   moving=g.hT[:, k, b0:b0 + bw], accumulate=k > 0)
                 combine(c, gp, up, actT[0:iw, ci, b0:b0 + bw],
                          None if bias is None else bias[0:iw, ci, :])
     return actT
@@ -298,10 +354,7 @@ def _down(c, e, g, actT):
     y = nl.ndarray((P, nt, H), dtype=c.dt, buffer=nl.sbuf)
     for h0 in range(0, H, _BANK_F32):
         hw = min(_BANK_F32, H - h0)
-        wd = nl.ndarray((P, c.ni, hw), dtype=c.dt, buffer=nl.sbuf)
-        for ci in range(c.ni):
-            iw = min(P, I - ci * P)
-            nisa.dma_copy(dst=wd[0:iw, ci, :], src=c.wd[e, ci * P:ci * P + iw, h0:h0 + hw])
+        wd = c.weights.take()
         bd = None
         if c.bd is not None:     # the bias row on every partition
             bd = nl.ndarray((P, hw), dtype=nl.float32, buffer=nl.sbuf)
@@ -330,10 +383,18 @@ def _down(c, e, g, actT):
 
 
 def _scatter(c, g, y):
-    """Each slot's row into its token's output row: added (top-k) or written (top-1)."""
+    """Each slot's row into its token's output row by indirect DMA, 128 slots per DMA: added
+    (top-k) or written (top-1). The padding id is moved out of range first (VectorE), so the
+    DMA skips those slots and the padding row of the output stays zero."""
     P = nl.tile_size.pmax
+    nt = c.B // P
     rmw = nl.add if c.accumulate else None
-    for s, t in enumerate(g.toks):
-        if t == c.T1 - 1:       # a padding slot: the padding row of the output stays zero
-            continue
-        nisa.dma_copy(dst=c.out[t:t + 1, :], src=y[s % P:s % P + 1, s // P, :], dst_rmw_op=rmw)
+    far = nl.ndarray((P, nt), dtype=nl.int32, buffer=nl.sbuf)
+    # id + (id == T) * 2^23: exact in the float32 VectorE computes in, past the output's rows
+    nisa.tensor_scalar(dst=far, data=g.ids, op0=nl.equal, operand0=c.T1 - 1,
+                       op1=nl.multiply, operand1=float(1 << 23))
+    nisa.tensor_tensor(dst=far, data1=far, data2=g.ids, op=nl.add)
+    for j in range(nt):
+        nisa.dma_copy(dst=c.out.ap([[c.H, P], [1, c.H]], vector_offset=far[:, j:j + 1]),
+                      src=y[:, j, :], dst_rmw_op=rmw, oob_mode=nisa.oob_mode.skip,
+                      dge_mode=nisa.dge_mode.swdge)
