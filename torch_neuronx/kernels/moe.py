@@ -19,8 +19,9 @@ simulated at fewer blocks, and at a hidden size of at most 2048 and an intermedi
 most 1024, then extrapolated: ``moe_cte`` by its marginal time per block (every block loads its
 expert's weights and runs the same matmuls), both kernels by the ratio of weight elements.
 
-Calls not covered keep their ops' costs, with a debug log on ``torch_neuronx.nkilib``: a
-hidden size that is not a multiple of 128, dtypes other than fp32/bf16/fp16, experts without
+A hidden size that is not a multiple of 128 is priced (and, executed, run) zero-padded to the
+next one. Calls not covered keep their ops' costs, with a debug log on
+``torch_neuronx.nkilib``: dtypes other than fp32/bf16/fp16, experts without
 a gate or with a post-expert norm or their own gating function, expert parallelism, an
 activation the kernels lack, and calls during graph capture or tracing (compiled graphs are
 costed as the kernels Inductor makes of them).
@@ -62,13 +63,17 @@ def moe_kernel_seconds(p, lnc, shapes, dtype, flags=0):
     (T, H), (_, k), (E, I2, _) = shapes[:3]
     if dtype not in routes._DTYPES:
         return routes._decline(OP, f"dtype {dtype}")
-    if H % 128 or H == 0:
-        return routes._decline(OP, f"hidden size {H} is not a multiple of 128")
-    if T == 0 or k == 0 or E == 0 or I2 % 2:
+    if T == 0 or k == 0 or E == 0 or H == 0 or I2 % 2:
         return routes._decline(OP, f"empty call or odd gate_up rows: {list(shapes)}")
     dt = torch.bfloat16 if dtype == torch.float16 else dtype
-    return _moe_ns(p.name, T, H, I2 // 2, E, min(k, E), routes._DTYPES[dt],
+    return _moe_ns(p.name, T, _padded(H), I2 // 2, E, min(k, E), routes._DTYPES[dt],
                    ActFnType(flags)) * 1e-9
+
+
+def _padded(H):
+    """The kernels take H in whole partitions: a smaller multiple runs zero-padded (the
+    weights padded once, as AWS's ``hidden_actual`` lets a caller of the fused block do)."""
+    return -(-H // 128) * 128
 
 
 cost_model.KERNEL_COSTS[OP] = moe_kernel_seconds
@@ -230,10 +235,10 @@ def _run_kernel(experts, act, hidden, index, weights):
         args, kwargs = _kernel_args(experts, act, hidden, index, weights)
     finally:
         _C._set_op_records(prev)
-    T = hidden.shape[0]
+    T, H = hidden.shape
     if T <= _DECODE_TOKENS:
-        return moe_tkg(*args, **kwargs)
-    return moe_cte(*args, **kwargs)[:T]
+        return moe_tkg(*args, **kwargs)[:, :H]
+    return moe_cte(*args, **kwargs)[:T, :H]
 
 
 def _kernel_args(experts, act, hidden, index, weights):
@@ -246,6 +251,12 @@ def _kernel_args(experts, act, hidden, index, weights):
     # Transformers: gate rows then up rows ([E, 2I, H]); AWS: [E, H, 2, I]
     wgu = gu.reshape(E, 2, I, H).permute(0, 3, 1, 2).contiguous()
     wd = down.transpose(1, 2).contiguous()                          # [E, I, H]
+    if _padded(H) != H:            # zero rows of the gate/up, zero columns of the down
+        pad = _padded(H) - H
+        wgu = torch.nn.functional.pad(wgu, (0, 0, 0, 0, 0, pad))
+        wd = torch.nn.functional.pad(wd, (0, pad))
+        hidden = torch.nn.functional.pad(hidden, (0, pad))
+        H += pad
     dev = hidden.device
     dense = torch.zeros(T, E, dtype=hidden.dtype, device=dev)
     dense.scatter_(1, index, weights.to(hidden.dtype))
