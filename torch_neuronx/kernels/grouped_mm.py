@@ -50,7 +50,32 @@ def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     return stochastic_rounding._round(out, narrow) if rounded else out
 
 
+def _layout(t):
+    """What a meta function can see of a tensor: its metadata, not its values."""
+    if t is None:
+        return None
+    return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype,
+            t.untyped_storage().nbytes())
+
+
+# Meta results by the operands' layouts: a MoE layer calls with the same few every step, and
+# the meta function costs more than the launch (tens of microseconds of Python).
+_SHAPES: dict = {}
+
+
 def _shape(mat_a, mat_b, offs, bias):
+    key = tuple(_layout(t) for t in (mat_a, mat_b, offs, bias))
+    try:
+        return _SHAPES[key]
+    except KeyError:
+        pass
+    if len(_SHAPES) >= 4096:
+        _SHAPES.clear()
+    shape = _SHAPES[key] = _meta_shape(mat_a, mat_b, offs, bias)
+    return shape
+
+
+def _meta_shape(mat_a, mat_b, offs, bias):
     """The result's shape from PyTorch's meta function, which carries CUDA's checks; None
     where they refuse. Its dtype check (bf16 only, CUDA's) is passed with bf16 stand-ins: CPU
     also takes fp32 and fp16. The offsets' values are read by the kernel on the queue, as on

@@ -176,6 +176,23 @@ def grouped_mm_seconds(a_shape, b_shape, dtype, offs):
     the other forms."""
     from .. import _state
     cfg = _state.config()
+    key = (a_shape, b_shape, dtype, id(cfg.profile), cfg.lnc)
+    hit = _GROUPED_MM_COSTS.get(key)
+    if hit is not None and hit[0] is cfg.profile:
+        return hit[1]
+    if len(_GROUPED_MM_COSTS) >= 1024:
+        _GROUPED_MM_COSTS.clear()
+    cost = _grouped_mm_seconds(cfg, a_shape, b_shape, dtype)
+    _GROUPED_MM_COSTS[key] = (cfg.profile, cost)
+    return cost
+
+
+# (profile, cost) by shapes, dtype, profile and LNC: a MoE layer prices the same few calls
+# every step
+_GROUPED_MM_COSTS: dict = {}
+
+
+def _grouped_mm_seconds(cfg, a_shape, b_shape, dtype):
     nbytes = dtype.itemsize * (math.prod(a_shape) + math.prod(b_shape))
     seconds, _, flops = cost_model.op_seconds(cfg.profile, cfg.lnc, "_grouped_mm",
                                               [a_shape, b_shape], dtype, nbytes, 0)
