@@ -271,10 +271,11 @@ class _Block:
 def _gather(c, n, e):
     """The block's token rows gathered by indirect DMA, 128 slots per DMA, into h [128, B/128,
     H] (slot j*128 + p on partition p), then TensorE transposes into hT [128, H/128, B] (K on
-    partitions, hidden index p*(H/128) + k at [p, k, :]), a PSUM bank of transposes per copy; and the slots' affinities for
-    expert e into aff [128, B/128], gathered the same way. The slots' token ids land one per
-    partition in ids [128, B/128]; an id outside hidden_states' rows is the DMA's
-    out-of-bounds error. Padding slots read the padding row and are dropped at the scatter."""
+    partitions, hidden index p*(H/128) + k at [p, k, :]), a PSUM bank of transposes per
+    copy; and the slots' affinities for expert e into aff [128, B/128], gathered the same
+    way. The slots' token ids land one per partition in ids [128, B/128]; an id outside
+    hidden_states' rows is the DMA's out-of-bounds error. Padding slots read the padding row
+    and are dropped at the scatter."""
     P = nl.tile_size.pmax
     B, H = c.B, c.H
     nt = B // P
