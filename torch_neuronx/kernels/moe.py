@@ -43,6 +43,8 @@ from .. import _C, _state, cost_model
 from . import nkilib_routes as routes
 from .norms import _device_tensor
 
+log = routes.log
+
 OP = "moe_experts"
 # Transformers' activation names (config.hidden_act) -> the kernels' activation
 _ACTS = {"silu": ActFnType.SiLU, "swish": ActFnType.SiLU, "gelu": ActFnType.GELU,
@@ -287,8 +289,14 @@ def _eager(self, *args, **kwargs):
 
 def install(moe_module) -> None:
     """Wrap the experts functions of ``transformers.integrations.moe`` (called when it is
-    imported)."""
-    interface = moe_module.ExpertsInterface
+    imported). A Transformers without the experts interface (before 5.x's) has nothing to
+    wrap: its MoE blocks keep their ops' costs."""
+    interface = getattr(moe_module, "ExpertsInterface", None)
+    if (interface is None or not isinstance(getattr(interface, "_global_mapping", None), dict)
+            or not hasattr(moe_module, "_default_apply_gate")):
+        log.debug("moe_experts: this Transformers has no experts interface; MoE blocks keep "
+                  "their ops' costs")
+        return
     for name in ("grouped_mm", "batched_mm"):
         if name in interface._global_mapping:
             interface.register(name, _wrap(interface._global_mapping[name]))
