@@ -176,19 +176,15 @@ def moe_decode():
 
 
 def moe_prefill():
+    from nkilib.core.moe.moe_cte.blocks import routing_blocks
     from nkilib.core.moe.moe_cte.moe_cte import moe_cte
     print("5. modelled MoE prefill: moe_cte, bf16, top-2 of 8 experts, random routing")
     T, H, I, E, k, B = 2048, 1024, 1024, 8, 2, 512
     rng = np.random.default_rng(0)
     top = np.argsort(-rng.standard_normal((T, E)), axis=1)[:, :k]
     aff = np.zeros((T + 1, E), np.float32)
-    pos, b2e = [], []
-    for e in range(E):
-        toks = [t for t in range(T) if e in top[t]]
-        aff[toks, e] = 1.0 / k
-        for s in range(0, len(toks), B):
-            pos += toks[s:s + B] + [T] * (B - len(toks[s:s + B]))
-            b2e.append(e)
+    np.put_along_axis(aff[:T], top, 1.0 / k, axis=1)
+    pos, b2e = routing_blocks(top, E, B)
     h = rng.standard_normal((T + 1, H)).astype(BF16)
     h[T] = 0
     wgu = (rng.standard_normal((E, H, 2, I)) / np.sqrt(H)).astype(BF16)
@@ -196,8 +192,7 @@ def moe_prefill():
     for target in ("trn2", "trn3"):
         peak = get_profile(target).peak_flops("bfloat16", 1)
         r = nki.benchmark(moe_cte, target=target)(
-            h, aff.astype(BF16).reshape(-1, 1), wgu, wd, np.array(pos, np.int32),
-            np.array(b2e, np.int32).reshape(-1, 1), B)
+            h, aff.astype(BF16).reshape(-1, 1), wgu, wd, pos, b2e, B)
         flops = len(b2e) * B * 6 * H * I
         tf = flops / (r.latency_ns * 1e-9) / 1e12
         busy = " / ".join(f"{2 * r.engine_busy_pct[e]:.0f}"     # one of LNC=2 cores

@@ -8,6 +8,7 @@ import torch
 import nki
 import neuronhw
 from nki import errors as E
+from nkilib.core.moe.moe_cte.blocks import routing_blocks
 from nkilib.core.moe.moe_cte.grouped_mm import grouped_mm
 from nkilib.core.moe.moe_cte.moe_cte import MoECTESpec, moe_cte
 from nkilib.core.utils.common_types import ActFnType, ExpertAffinityScaleMode
@@ -37,14 +38,7 @@ def _routing(T, E, k, B, rng):
     aff = np.zeros((T + 1, E), np.float32)
     for t in range(T):
         aff[t, top[t]] = p[t, top[t]]
-    pos, b2e = [], []
-    for e in range(E):
-        toks = [t for t in range(T) if e in top[t]]
-        for s in range(0, len(toks), B):
-            chunk = toks[s:s + B]
-            pos += chunk + [T] * (B - len(chunk))
-            b2e.append(e)
-    return (aff, np.array(pos, np.int32), np.array(b2e, np.int32).reshape(-1, 1))
+    return (aff, *routing_blocks(top, E, B))
 
 
 def _moe_inputs(dtype, T=300, H=256, I=384, E=4, k=2, B=256, seed=0):

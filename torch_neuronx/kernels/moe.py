@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 import nki
+from nkilib.core.moe.moe_cte.blocks import routing_blocks
 from nkilib.core.moe.moe_cte.moe_cte import moe_cte
 from nkilib.core.moe.moe_tkg.moe_tkg import moe_tkg
 from nkilib.core.utils.common_types import ActFnType, ExpertAffinityScaleMode
@@ -52,6 +53,7 @@ _ACTS = {"silu": ActFnType.SiLU, "swish": ActFnType.SiLU, "gelu": ActFnType.GELU
 _DECODE_TOKENS = 128
 _SIM_H, _SIM_I = 2048, 1024
 _BLOCK_SIZES = (128, 512)
+_DEFAULT_GATE = None     # Transformers' gating, the kernels' (bound by install())
 
 
 def moe_kernel_seconds(p, lnc, shapes, dtype, flags=0):
@@ -149,10 +151,9 @@ def _priced(experts, hidden, top_k_index):
     stream = torch.neuron.current_stream(hidden.device)
     if _C._is_capturing(stream.device_index, stream.stream_id):
         return routes._decline(OP, "graph capture (replays charge the ops)")
-    from transformers.integrations.moe import _default_apply_gate
     if not getattr(experts, "has_gate", False) or getattr(experts, "has_post_expert_norm", False):
         return routes._decline(OP, "experts without a gate or with a post-expert norm")
-    if getattr(type(experts), "_apply_gate", None) is not _default_apply_gate:
+    if getattr(type(experts), "_apply_gate", None) is not _DEFAULT_GATE:
         return routes._decline(OP, f"{type(experts).__name__} has its own gating function")
     if getattr(experts, "_is_expert_parallel", False):
         return routes._decline(OP, "expert parallelism")
@@ -267,19 +268,12 @@ def _kernel_args(experts, act, hidden, index, weights):
         kwargs["activation_fn"] = act
         return (hidden.contiguous(), wgu, wd, dense, index.to(torch.int32), False), kwargs
     B = _BLOCK_SIZES[0]
-    ids = index.cpu()
-    pos, b2e = [], []
-    for e in range(E):
-        toks = (ids == e).any(1).nonzero().flatten().tolist()
-        for s0 in range(0, len(toks), B):
-            chunk = toks[s0:s0 + B]
-            pos += chunk + [T] * (B - len(chunk))
-            b2e.append(e)
+    pos, b2e = routing_blocks(index.cpu().numpy(), E, B)
     h1 = torch.cat([hidden, torch.zeros(1, H, dtype=hidden.dtype, device=dev)])
     aff = torch.cat([dense, torch.zeros(1, E, dtype=dense.dtype, device=dev)]).reshape(-1, 1)
     kwargs["activation_function"] = act
-    return (h1, aff, wgu, wd, torch.tensor(pos, dtype=torch.int32, device=dev),
-            torch.tensor(b2e, dtype=torch.int32, device=dev).reshape(-1, 1), B), kwargs
+    return (h1, aff, wgu, wd, torch.from_numpy(pos).to(dev), torch.from_numpy(b2e).to(dev),
+            B), kwargs
 
 
 def _eager(self, *args, **kwargs):
@@ -297,6 +291,8 @@ def install(moe_module) -> None:
         log.debug("moe_experts: this Transformers has no experts interface; MoE blocks keep "
                   "their ops' costs")
         return
+    global _DEFAULT_GATE
+    _DEFAULT_GATE = moe_module._default_apply_gate
     for name in ("grouped_mm", "batched_mm"):
         if name in interface._global_mapping:
             interface.register(name, _wrap(interface._global_mapping[name]))
