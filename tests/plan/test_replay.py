@@ -72,7 +72,11 @@ def _unfused():
 
 @functools.cache
 def _trace(model_name):
-    """The step traced on device 0 of this process (once per model)."""
+    """The step traced on device 0 of this process (once per model), from Dynamo's fresh
+    state, as the real runs' processes start: had another test in this worker compiled the
+    same Transformers code at other shapes, Dynamo would compile the blocks with dynamic
+    sizes, a different graph at a different modelled time."""
+    torch._dynamo.reset()
     with _unfused():
         return step_script.traced_step(model_name, "single", torch.device("neuron", 0))
 
