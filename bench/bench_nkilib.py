@@ -8,8 +8,9 @@ throughput on trn2/trn3, and what routing SDPA's cost through NKI-lib adds to a 
 
 1. Host time of the simulated kernel vs the PyTorch reference of the same math on CPU
    (a report: the simulator executes every instruction in NumPy).
-2. Modelled TFLOPS of attention_cte at seq 4096/8192, d=128, bf16, causal and not, as a
-   fraction of one NeuronCore's TensorE bf16 peak, with the engines' busy shares.
+2. Modelled TFLOPS of attention_cte at seq 4096/8192 and of attention_bwd at seq
+   2048/4096 (one head) and 2048 (four heads), d=128, bf16, causal and not, as a fraction of
+   one NeuronCore's TensorE bf16 peak, with the engines' busy shares.
 3. SDPA on neuron, forward + modelled-time drain, with the NKI-lib cost route and without
    it (the roofline), in alternating pairs: the ratio of medians.
 4. MoE decode: modelled moe_tkg latency against the time to stream the picked experts'
@@ -99,6 +100,23 @@ def flash_tflops():
                 rows.append((target, S, causal, r.latency_us, tf, tf / peak))
                 print(f"   {target} S={S} causal={causal}: {r.latency_us:.0f} us, {tf:.1f} TFLOPS "
                       f"= {100 * tf / peak:.0f}% of TensorE peak ({peak:.0f}); busy: "
+                      + ", ".join(f"{e} {b:.0f}%" for e, b in busy.items() if e != "dma"))
+    print("   attention_bwd (8·S²·d useful FLOPs, halved for causal)")
+    for target in ("trn2", "trn3"):
+        peak = get_profile(target).core_tflops["bfloat16"]
+        for S, H in (((2048, 1),) if QUICK else ((2048, 1), (4096, 1), (2048, 4))):
+            rng = np.random.default_rng(0)
+            q, o, dy = (rng.standard_normal((1, H, 128, S)).astype(BF16) for _ in range(3))
+            k, v = (rng.standard_normal((1, H, 128, S)).astype(BF16) for _ in range(2))
+            lse = (rng.standard_normal((1, H, 128, S // 128)) + 5).astype(np.float32)
+            for causal in (False, True):
+                r = nki.benchmark(attention_bwd, target=target)(q, k, v, o, dy, lse,
+                                                                use_causal_mask=causal)
+                tf = 8 * S * S * 128 * H * (0.5 if causal else 1.0) / r.latency_ns / 1e3
+                busy = {e: 2 * b for e, b in r.engine_busy_pct.items()}   # one of LNC=2 cores
+                rows.append((target, S, causal, r.latency_us, tf, tf / peak))
+                print(f"   {target} S={S} heads={H} causal={causal}: {r.latency_us:.0f} us, "
+                      f"{tf:.1f} TFLOPS = {100 * tf / peak:.0f}% of TensorE peak; busy: "
                       + ", ".join(f"{e} {b:.0f}%" for e, b in busy.items() if e != "dma"))
     return rows
 

@@ -116,6 +116,11 @@ BWD_CASES = [  # B, H, Hkv, Sq, Skv, d, causal, window
     (1, 4, 2, 128, 200, 32, False, 0),    # GQA, key length not a multiple of 128
     (2, 2, 1, 384, 384, 64, True, 100),   # MQA, sliding window
     (1, 1, 1, 128, 128, 128, False, 0),
+    # units of 512 keys (256 in fp32): causal cuts inside them, a partial last block,
+    # a window that drops whole 128-key sub-blocks, GQA accumulating over heads
+    (1, 2, 1, 640, 1100, 64, True, 0),
+    (1, 1, 1, 1024, 1024, 128, True, 300),
+    (1, 4, 2, 768, 600, 32, False, 0),
 ]
 
 
@@ -177,3 +182,22 @@ def test_attention_timing_orders(target):
     from neuronhw import get_profile
     peak = get_profile(target).core_tflops["bfloat16"] * 1e12
     assert 4 * S * S * d / (full * 1e-9) > 0.15 * peak
+
+
+@pytest.mark.parametrize("target", ["trn2", "trn3"])
+def test_attention_bwd_timing_orders(target):
+    """The backward skips what the masks remove, and its 512-key units keep TensorE busy
+    enough to reach a real fraction of its peak (128 x 128 units reached 13%)."""
+    S, d = 2048, 128
+    rng = np.random.default_rng(0)
+    q, k, v, o, dy = (rng.standard_normal((1, 1, d, S)).astype(BF16) for _ in range(5))
+    lse = (rng.standard_normal((1, 1, 128, S // 128)) + 5).astype(np.float32)
+    full = _latency(attention_bwd, q, k, v, o, dy, lse, target=target)
+    causal = _latency(attention_bwd, q, k, v, o, dy, lse, target=target, use_causal_mask=True)
+    window = _latency(attention_bwd, q, k, v, o, dy, lse, target=target, use_causal_mask=True,
+                      sliding_window=256)
+    assert causal < 0.85 * full
+    assert window < 0.8 * causal     # (the loads and stores are a third of it)
+    from neuronhw import get_profile
+    peak = get_profile(target).core_tflops["bfloat16"] * 1e12
+    assert 8 * S * S * d / (full * 1e-9) > 0.25 * peak

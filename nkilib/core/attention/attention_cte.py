@@ -33,10 +33,10 @@ import nki.isa as nisa
 import nki.language as nl
 from nki import errors as E
 
+from ..utils.masks import NEG as _NEG, identity, mask_tile
 from ..utils.pipeline import pipeline as _pipeline
 from ..utils.refuse import refuse_given, unsupported
 
-_NEG = -3.0e38          # masked score: exp() of it underflows to 0
 _BANK = 512             # fp32 scores per PSUM bank (2 KiB per partition): one matmul's output
 _INTERLEAVE = 4         # query groups whose sections alternate in the pipeline
 _CHUNK = 4              # sections per softmax rescale: 2048 keys (NeuronCore-v3)
@@ -137,7 +137,6 @@ def attention_cte(q, k, v, scale=1.0, causal_mask=True, k_prior=None, v_prior=No
     # PSUM as a bf16 matmul by the identity; else VectorE adds it as it reads the scores.
     cfg.mask_on_tensor = not fp32 and not cap
     cfg.mask_dtype = nl.bfloat16 if cfg.mask_on_tensor else nl.float32
-    cfg.ident = None
     _pipeline([_unit(cfg, i, *u) for i, u in enumerate(units)])
     if cache_softmax:
         return out, neg_max, sum_recip
@@ -251,7 +250,8 @@ def _unit(c, i, x, s0, first, last, pos, ch):
         nisa.nc_matmul(dst=s_ps[:, col:col + cw], stationary=x.qT,
                        moving=k_t[:, kc + col:kc + col + cw])
         if mask is not None:     # + I @ mask: exact in the fp32 accumulation
-            nisa.nc_matmul(dst=s_ps[:, col:col + cw], stationary=_identity(c)[:, 0:r],
+            ident = identity(c.masks, nl.bfloat16)
+            nisa.nc_matmul(dst=s_ps[:, col:col + cw], stationary=ident[:, 0:r],
                            moving=mask[:, col:col + cw], accumulate=True)
     yield c.gap
     src, ls = s_ps, c.lscale
@@ -343,39 +343,7 @@ def _unit(c, i, x, s0, first, last, pos, ch):
 
 
 def _mask_tile(c, s0, w, q0, r):
-    """The 0/-inf tile of the causal and window masks where they cut through the section,
-    or None; made once per (offset, width) on GpSimd (masks only depend on where the
-    section sits), in the dtype its consumer adds it in."""
-    cut_causal = bool(c.causal and s0 + w - 1 > q0)
-    cut_window = bool(c.window and s0 < q0 + r - c.window)
-    if not (cut_causal or cut_window):
-        return None
-    key = (q0 - s0, w, cut_causal, cut_window)
-    tile = c.masks.get(key)
-    if tile is None:
-        P = nl.tile_size.pmax
-        tile = nl.ndarray((P, w), dtype=c.mask_dtype, buffer=nl.sbuf)
-        nisa.memset(dst=tile, value=0.0, engine=nisa.gpsimd_engine)
-        if cut_causal:     # keep key s0+j for query q0+p when (q0+p) - (s0+j) >= 0
-            nisa.affine_select(dst=tile, pattern=[[-1, w]], channel_multiplier=1, offset=q0 - s0,
-                               on_true_tile=tile, on_false_value=_NEG, cmp_op=nl.greater_equal)
-        if cut_window:     # and when (s0+j) - (q0+p) + window - 1 >= 0
-            nisa.affine_select(dst=tile, pattern=[[1, w]], channel_multiplier=-1,
-                               offset=s0 - q0 + c.window - 1, on_true_tile=tile,
-                               on_false_value=_NEG, cmp_op=nl.greater_equal)
-        c.masks[key] = tile
-    return tile
-
-
-def _identity(c):
-    """A bf16 identity for TensorE to add a mask tile into the scores' PSUM."""
-    if c.ident is None:
-        P = nl.tile_size.pmax
-        c.ident = nl.ndarray((P, P), dtype=nl.bfloat16, buffer=nl.sbuf)
-        nisa.memset(dst=c.ident, value=1.0, engine=nisa.gpsimd_engine)
-        nisa.affine_select(dst=c.ident, pattern=[[-1, P]], channel_multiplier=1, offset=0,
-                           on_true_tile=c.ident, on_false_value=0.0, cmp_op=nl.equal)
-    return c.ident
+    return mask_tile(c.masks, q0, s0, w, r, c.causal, c.window, c.mask_dtype)
 
 
 def _mask(c, src, s0, w, q0, r):
