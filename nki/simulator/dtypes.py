@@ -6,8 +6,12 @@ Integer and bool tiles are stored in their own numpy dtype.
 """
 from __future__ import annotations
 
+import sys
+
 import ml_dtypes
 import numpy as np
+
+_LITTLE = sys.byteorder == "little"
 
 
 # While a kernel runs on an accelerator whose runtime rounds stochastically
@@ -55,6 +59,9 @@ class DType:
         stored = np.asarray(stored)
         if self.name == "bfloat16" and stored.dtype == np.float32 and stored.flags.c_contiguous:
             # The stored values are bf16-exact, so the upper half of each word is the bf16.
+            if _LITTLE:   # the upper halves, in one strided copy
+                hi = stored.reshape(-1).view(np.uint16)[1::2]
+                return np.ascontiguousarray(hi).reshape(stored.shape).view(ml_dtypes.bfloat16)
             return (stored.view(np.uint32) >> np.uint32(16)).astype(np.uint16).view(ml_dtypes.bfloat16)
         return stored.astype(self.real)
 
@@ -62,7 +69,7 @@ class DType:
         """An array of this dtype (or any numeric array) as the simulator stores it."""
         if self.name == "bfloat16" and a.dtype == ml_dtypes.bfloat16 and a.flags.c_contiguous:
             # bf16 is the upper half of an fp32 word: exact, and far faster than astype.
-            return (a.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+            return np.left_shift(a.view(np.uint16), np.uint32(16), dtype=np.uint32).view(np.float32)
         if a.dtype == self.real and self.is_float:
             return a.astype(np.float32)      # already representable: no rounding pass
         return self.round(a.astype(np.float32))

@@ -39,7 +39,8 @@ def _wrap_input(x, name, bridge=None):
         store = host                       # used in place: writes land in the caller's memory
     else:
         store = d.from_real(host) if d.is_float else np.ascontiguousarray(host, d.storage)
-        store = np.array(store, dtype=d.storage, copy=True)
+        if np.may_share_memory(store, host):   # a converted copy is already the kernel's own
+            store = np.array(store, dtype=d.storage, copy=True)
     origin = _Origin(host, x if bridge is not None else None, bridge, store is host)
     if bridge is None and origin.in_place:
         origin = None
