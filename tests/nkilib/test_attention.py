@@ -127,9 +127,14 @@ BWD_CASES = [  # B, H, Hkv, Sq, Skv, d, causal, window
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("case", BWD_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_attention_bwd_matches_autograd(case, dtype):
-    B, H, Hkv, Sq, Skv, d, causal, window = case
-    g = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(*s, generator=g) for s in ((B, H, Sq, d), (B, Hkv, Skv, d), (B, Hkv, Skv, d)))
+    _check_bwd(*case, dtype=dtype, seed=1)
+
+
+def _check_bwd(B, H, Hkv, Sq, Skv, d, causal, window, dtype, seed):
+    """attention_bwd's gradients against autograd through the reference on CPU."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((B, H, Sq, d), (B, Hkv, Skv, d), (B, Hkv, Skv, d))
+    q, k, v = (torch.randn(*s, generator=g) for s in shapes)
     if dtype == "bfloat16":
         q, k, v = (t.to(torch.bfloat16).float() for t in (q, k, v))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -150,8 +155,8 @@ def test_attention_bwd_matches_autograd(case, dtype):
     tol = 2e-5 if dtype == "float32" else 6e-2
     for got, want in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
         want = want.transpose(-1, -2).numpy()
-        np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=tol * max(1, np.abs(want).max()),
-                                   rtol=tol)
+        np.testing.assert_allclose(np.asarray(got, np.float32), want,
+                                   atol=tol * max(1, np.abs(want).max()), rtol=tol)
 
 
 def test_attention_bwd_needs_whole_query_blocks():
@@ -201,3 +206,26 @@ def test_attention_bwd_timing_orders(target):
     from neuronhw import get_profile
     peak = get_profile(target).core_tflops["bfloat16"] * 1e12
     assert 8 * S * S * d / (full * 1e-9) > 0.25 * peak
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_attention_bwd_long_queries_run_in_segments(monkeypatch, dtype):
+    """Query sequences too long for SBUF beside their kv head run as segments of query
+    blocks (dk and dv summed over them): forced here at a small SBUF budget, three
+    segments of 256 queries, causal and windowed, GQA."""
+    import nkilib.core.attention.attention_bwd as mod
+    B, H, Hkv, Sq, Skv, d = 1, 2, 1, 640, 1100, 64
+    isz = 4 if dtype == "float32" else 2
+    kv_bytes = Skv * (2 * isz + 8) + -(-Skv // 128) * d * isz
+    monkeypatch.setattr(mod, "_SBUF_BYTES", kv_bytes + mod._DQ_CHUNK * 4 + 256 * (5 * isz + 4))
+    _check_bwd(B, H, Hkv, Sq, Skv, d, True, 300, dtype=dtype, seed=3)
+
+
+def test_attention_bwd_refuses_keys_beyond_sbuf(monkeypatch):
+    import nkilib.core.attention.attention_bwd as mod
+    monkeypatch.setattr(mod, "_SBUF_BYTES", 8 * 1024)
+    z = np.zeros((1, 1, 64, 128), np.float32)
+    with pytest.raises(nki.errors.SbufCapacityError, match="1024 keys need"):
+        attention_bwd(z, np.zeros((1, 1, 64, 1024), np.float32),
+                      np.zeros((1, 1, 64, 1024), np.float32), z, z,
+                      np.zeros((1, 1, 128, 1), np.float32))

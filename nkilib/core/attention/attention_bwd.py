@@ -12,8 +12,11 @@ for fp32) from the log-sum-exp, never stored: P = exp(scale * q.k - lse), dP = d
 dS = P * (dP - rowsum(dy * o)); then dv += P^T dy, dk += scale * dS^T q (both accumulated in
 PSUM over the query blocks of a key block) and dq += scale * dS k (in SBUF over the key
 blocks), all three transposed, (d, sequence) as they are stored, so that the stores need no
-transposes. A unit of 512 keys makes each hand-off between engines carry four 128 x 128 blocks
-(the ~1.3 us semaphore waits, not the engines, bounded 128 x 128 units). Key sub-blocks a
+transposes. One pipeline runs every head: the next head's loads are issued among the
+current head's units where SBUF holds both, and query sequences too long for SBUF beside
+their kv head run as segments of query blocks. A unit of 512 keys makes each hand-off
+between engines carry four 128 x 128 blocks (the ~1.3 us semaphore waits, not the
+engines, bounded 128 x 128 units). Key sub-blocks a
 causal or sliding-window mask removes entirely are skipped; where a mask cuts through a
 unit, TensorE adds it into the scores' PSUM. All accumulation is fp32 (``mixed_precision``
 is accepted for AWS's signature; it is always on here).
@@ -69,62 +72,121 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
              width=_WIDTH if isz == 2 else _WIDTH // 2, ticks=_TICKS)
     c.nsub = c.width // P
     c.masks, c.ones, c.n = {}, None, 0
-    # SBUF bytes per partition a head's operands and dq accumulator take, and a kv head's:
-    # heads are pipelined together in chunks that fit (short sequences: many heads at once,
-    # so one head's waits overlap the others' work).
-    head_bytes = 2 * Sq * isz + Gq * d * (2 * isz + 4)
-    kv_bytes = 2 * Skv * isz + Gk * d * (isz + 8)
-    chunk = _Chunk(c)
+    c.refs = (q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref)
+    c.outs = (dq, dk, dv)
+    # SBUF bytes per partition a kv head's tiles take (K and V, K sequence-major, the dk and
+    # dv accumulators), and per query a head's (q and dy both ways, dq's accumulator, o).
+    # Long query sequences run as segments that fit beside the kv head; where two heads (or
+    # segments) fit at once, the next one's loads are issued inside the current one's
+    # pipeline (its first units then find them ready); else it waits for the current one
+    # to store its gradients.
+    kv_bytes = Skv * (2 * isz + 8) + Gk * d * isz
+    per_query = 5 * isz + 4
+    room = _SBUF_BYTES - kv_bytes - _DQ_CHUNK * 4
+    if room < P * per_query:
+        raise E.SbufCapacityError(f"attention_bwd: {Skv} keys need {kv_bytes} bytes per "
+                                  f"partition of SBUF beside one query block; at most "
+                                  f"{_SBUF_BYTES} (shorter key sequences or split the call)")
+    seg = min(Sq, room // per_query // P * P)
+    overlap = 2 * (seg * per_query + kv_bytes) <= _OVERLAP_BYTES
+    order, last_pro = [], -1
     for b in range(B):
         for hk in range(Hkv):
             if (b * Hkv + hk) % n_prog != pid:
                 continue
-            chunk.make_room(kv_bytes + head_bytes)
-            chunk.used += kv_bytes
-            kT = _load(k_ref[b, hk], d, Skv, mm_dtype)          # (d, Skv)
-            vT = _load(v_ref[b, hk], d, Skv, mm_dtype)
-            k_rows = _rows(kT, d, Skv, mm_dtype)                 # (128, Gk, d)
-            # dk and dv accumulate transposed, (d, Skv) as they are stored
-            dk_acc = nl.ndarray((d, Skv), dtype=nl.float32, buffer=nl.sbuf)
-            dv_acc = nl.ndarray((d, Skv), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.memset(dst=dk_acc, value=0.0, engine=nisa.gpsimd_engine)
-            nisa.memset(dst=dv_acc, value=0.0, engine=nisa.gpsimd_engine)
+            kv = _Cfg(b=b, hk=hk)
             for h in range(hk * group, (hk + 1) * group):
-                chunk.make_room(head_bytes)
-                chunk.used += head_bytes
-                x = _Head(kT=kT, vT=vT, k_rows=k_rows, dk_acc=dk_acc, dv_acc=dv_acc)
-                x.qT = _load(q_ref[b, h], d, Sq, mm_dtype)
-                x.dyT = _load(dy_ref[b, h], d, Sq, mm_dtype)
-                x.q_rows = _rows(x.qT, d, Sq, mm_dtype)
-                x.dy_rows = _rows(x.dyT, d, Sq, mm_dtype)
-                # -lse per query, queries on partitions (GpSimd: VectorE's queue is
-                # behind the transposes' copies)
-                x.neg_lse = nl.ndarray((P, Gq), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.dma_copy(dst=x.neg_lse, src=lse_ref[b, h])
-                nisa.tensor_scalar(dst=x.neg_lse, data=x.neg_lse, op0=nl.multiply,
-                                   operand0=-1.0, engine=nisa.gpsimd_engine)
-                # rowsum(dy * o): the product on GpSimd in the stored layout (d, Sq), its
-                # sums over d by TensorE (a matmul by ones), queries on partitions
-                x.Dq = _row_dots(c, x.dyT, _load(o_ref[b, h], d, Sq, mm_dtype), d, Sq)
-                x.dq_acc = nl.ndarray((d, Sq), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.memset(dst=x.dq_acc, value=0.0, engine=nisa.gpsimd_engine)
-                for k0 in range(0, Skv, c.width):
-                    kb = _KeyBlock(k0=k0, w=min(c.width, Skv - k0), started=set())
-                    units = [(i, _cols(c, i * P, kb)) for i in range(Gq)]
-                    units = [(i, cols) for i, cols in units if cols[0] < cols[1]]
-                    for n, (i, cols) in enumerate(units):
-                        chunk.units.append(_unit(c, x, kb, i, cols, n == len(units) - 1))
-
-                def store_dq(b=b, h=h, dq_acc=x.dq_acc):
-                    _store(dq[b, h], dq_acc, scale, dt, nisa.vector_engine)
-                chunk.after.append(store_dq)
-
-            def store_dkv(b=b, hk=hk, dk_acc=dk_acc, dv_acc=dv_acc):
-                _store(dk[b, hk], dk_acc, scale, k_ref.dtype, nisa.scalar_engine)
-                _store(dv[b, hk], dv_acc, 1.0, v_ref.dtype, nisa.gpsimd_engine)
-            chunk.after.append(store_dkv)
-    chunk.flush()
+                for s0 in range(0, Sq, seg):
+                    x = _Head(kv=kv, b=b, h=h, s0=s0, sq=min(seg, Sq - s0))
+                    pro = _prologue(c, x, h == hk * group and s0 == 0)
+                    if overlap:
+                        at = max(last_pro + 1, len(order) - _PROLOGUE_TICKS - 1)
+                    else:
+                        order += [_idle()] * (sum(_TICKS) + 2)   # the last one's stores first
+                        at = len(order)
+                    order.insert(at, pro)
+                    last_pro = at
+                    order += [_idle()] * max(0, _PROLOGUE_TICKS + 1 - (len(order) - at - 1))
+                    for k0 in range(0, Skv, c.width):
+                        kb = _KeyBlock(k0=k0, w=min(c.width, Skv - k0), started=set())
+                        units = [(i, _cols(c, s0 + i * P, kb)) for i in range(x.sq // P)]
+                        units = [(i, cols) for i, cols in units if cols[0] < cols[1]]
+                        for n, (i, cols) in enumerate(units):
+                            order.append(_unit(c, x, kb, i, cols, n == len(units) - 1))
+                    last = h == (hk + 1) * group - 1 and s0 + seg >= Sq
+                    order.append(_epilogue(c, x, last))
+                    del x
+    _rings(c)
+    _pipeline(order)
     return dq, dk, dv
+
+
+def _prologue(c, x, first_of_kv):
+    """A head's (or query segment's) loads, and its kv head's for the first of a group,
+    the sequence-major copies among them by DMA transposes; then, ``_PROLOGUE_TICKS`` ticks
+    later so that no engine waits in program order for a DMA, what engines do with them
+    (conversions, fp32's TensorE transposes, rowsum(dy * o))."""
+    P, d, mm = nl.tile_size.pmax, c.d, c.mm_dtype
+    q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref = c.refs
+    b, h, kv = x.b, x.h, x.kv
+    Skv = k_ref.shape[3]
+    s0, Sq = x.s0, x.sq
+    Gq = Sq // P
+    q_src, dy_src = q_ref[b, h, :, s0:s0 + Sq], dy_ref[b, h, :, s0:s0 + Sq]
+    # in the order the first units need them: K and Q (scores), V and dy (dP), o (dS),
+    # the sequence-major copies (dv, dk, dq)
+    if first_of_kv:
+        kT = _dma_in(k_ref[b, kv.hk])
+    qT = _dma_in(q_src)
+    if first_of_kv:
+        vT = _dma_in(v_ref[b, kv.hk])
+    dyT = _dma_in(dy_src)
+    x.neg_lse = nl.ndarray((P, Gq), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=x.neg_lse, src=lse_ref[b, h, :, s0 // P:s0 // P + Gq])
+    oT = _dma_in(o_ref[b, h, :, s0:s0 + Sq])
+    rows = {"q": _rows_dma(q_src, d, Sq), "dy": _rows_dma(dy_src, d, Sq),
+            "k": _rows_dma(k_ref[b, kv.hk], d, Skv) if first_of_kv else None}
+    yield _PROLOGUE_TICKS - 3
+    if first_of_kv:
+        kv.kT, kv.vT = _as(kT, mm), _as(vT, mm)
+        kv.k_rows = _rows(rows["k"], kv.kT, d, Skv, mm)     # (128, Gk, d)
+        # dk and dv accumulate transposed, (d, Skv) as they are stored
+        kv.dk_acc = nl.ndarray((d, Skv), dtype=nl.float32, buffer=nl.sbuf)
+        kv.dv_acc = nl.ndarray((d, Skv), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=kv.dk_acc, value=0.0, engine=nisa.gpsimd_engine)
+        nisa.memset(dst=kv.dv_acc, value=0.0, engine=nisa.gpsimd_engine)
+    x.kT, x.vT, x.k_rows, x.dk_acc, x.dv_acc = kv.kT, kv.vT, kv.k_rows, kv.dk_acc, kv.dv_acc
+    yield 1
+    x.qT, x.dyT = _as(qT, mm), _as(dyT, mm)
+    x.q_rows = _rows(rows["q"], x.qT, d, Sq, mm)
+    yield 1
+    x.dy_rows = _rows(rows["dy"], x.dyT, d, Sq, mm)
+    yield 1
+    # -lse per query, queries on partitions; rowsum(dy * o): the product on GpSimd in the
+    # stored layout (d, Sq), its sums over d by TensorE (a matmul by ones)
+    nisa.tensor_scalar(dst=x.neg_lse, data=x.neg_lse, op0=nl.multiply, operand0=-1.0,
+                       engine=nisa.gpsimd_engine)
+    x.Dq = _row_dots(c, x.dyT, _as(oT, mm), d, Sq)
+    x.dq_acc = nl.ndarray((d, Sq), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=x.dq_acc, value=0.0, engine=nisa.gpsimd_engine)
+
+
+def _epilogue(c, x, last_of_kv):
+    """A head's dq stored once its last unit has added into it, and its kv head's dk and dv
+    after the group's last head (casts on GpSimd, off the pipeline's engines)."""
+    yield sum(_TICKS) + 1
+    q_ref, k_ref, v_ref = c.refs[:3]
+    dq, dk, dv = c.outs
+    _store(dq[x.b, x.h, :, x.s0:x.s0 + x.sq], x.dq_acc, c.scale, q_ref.dtype)
+    if last_of_kv:
+        _store(dk[x.b, x.kv.hk], x.dk_acc, c.scale, k_ref.dtype)
+        _store(dv[x.b, x.kv.hk], x.dv_acc, 1.0, v_ref.dtype)
+
+
+def _idle():
+    """A pipeline slot with no work: one tick's delay."""
+    return
+    yield
 
 
 # Keys per unit: one 2 KiB PSUM bank of fp32 scores for 16-bit inputs (half for fp32, whose
@@ -138,29 +200,18 @@ _WIDTH = 512
 # one tick. A ring has one slot more than the ticks its tile is held: its writer then
 # waits for the reader two units back, not the one before.
 _TICKS = (1, 1, 1, 2, 1, 2, 1)
-_CHUNK_BYTES = 64 * 1024
+# Ticks from a head's loads to its first unit (a head's 4 MiB of bf16 loads at S=2048 take
+# about 12-17 us of the 16 DMA queues; units run 1.5-2 us per tick).
+_PROLOGUE_TICKS = 8
+# SBUF per partition two heads may hold at once (of 192 KiB: the rings, masks and
+# temporaries take the rest).
+_OVERLAP_BYTES = 144 * 1024
+# SBUF per partition for one head (or segment of one) and its kv head: of 192 KiB, the
+# rings (14 KiB), masks and the constants take the rest.
+_SBUF_BYTES = 168 * 1024
+# Queries per chunk of the product dy * o (fp32 on GpSimd) whose sums give rowsum(dy * o).
+_DQ_CHUNK = 512
 _BANK_BYTES = 2048
-
-
-class _Chunk:
-    """Units of several heads pipelined together, and the stores that follow them."""
-
-    def __init__(self, c):
-        self.c, self.units, self.after, self.used = c, [], [], 0
-
-    def make_room(self, nbytes):
-        if self.units and self.used + nbytes > _CHUNK_BYTES:
-            self.flush()
-
-    def flush(self):
-        # the rings live while the units run, so that the prologues' and the stores'
-        # transposes have PSUM
-        _rings(self.c)
-        _pipeline(self.units)
-        _rings(self.c, free=True)
-        for f in self.after:
-            f()
-        self.units, self.after, self.used = [], [], 0
 
 
 class _Cfg:
@@ -171,18 +222,12 @@ class _Cfg:
 _Head = _KeyBlock = _Cfg
 
 
-def _rings(c, free=False):
+def _rings(c):
     """PSUM and SBUF rings of slots taken in turn by consecutive units (as attention_cte's):
     a unit's tile is read ``gap`` ticks after it is written, and the unit ``gap`` later
     writes the slot in the tick of that read (older units issue first). dv and dk
     accumulate over a key block's query blocks in one PSUM set, which the block's last unit
     adds into SBUF before the next block's first unit writes it."""
-    names = ("s_ring", "dp_ring", "dsT_ring", "dq_ring", "dv_ps", "dk_ps", "p_ring", "ds_ring",
-             "dsT_sb")
-    if free:
-        for name in names:
-            setattr(c, name, None)
-        return
     P, w, nsub, d = nl.tile_size.pmax, c.width, c.nsub, c.d
     mm = c.mm_dtype
     t = c.ticks
@@ -224,7 +269,7 @@ def _unit(c, x, kb, i, cols, last):
     # TensorE: scores, with the masks added by a matmul of the identity where they cut
     s_ps = c.s_ring[:, n % c.s_ring.shape[1], 0:w]
     nisa.nc_matmul(dst=s_ps, stationary=x.qT[:, q0:q0 + P], moving=x.kT[:, k0 + lo:k0 + hi])
-    mask = mask_tile(c.masks, q0, k0 + lo, w, P, c.causal, c.window, c.mm_dtype)
+    mask = mask_tile(c.masks, x.s0 + q0, k0 + lo, w, P, c.causal, c.window, c.mm_dtype)
     if mask is not None:
         nisa.nc_matmul(dst=s_ps, stationary=identity(c.masks, c.mm_dtype), moving=mask,
                        accumulate=True)
@@ -284,8 +329,6 @@ def _unit(c, x, kb, i, cols, last):
 def _row_dots(c, aT, bT, d, S):
     """sum over d of aT * bT (d, S), as (128, S // 128): query g*128 + p at [p, g]."""
     P = nl.tile_size.pmax
-    prod = nl.ndarray((d, S), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=prod, data1=aT, data2=bT, op=nl.multiply, engine=nisa.gpsimd_engine)
     if c.ones is None:
         c.ones = nl.ndarray((d, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=c.ones, value=1.0, engine=nisa.gpsimd_engine)
@@ -295,28 +338,64 @@ def _row_dots(c, aT, bT, d, S):
     for g0 in range(0, G, per):
         m = min(per, G - g0)
         d_ps = nl.ndarray((P, m), dtype=nl.float32, buffer=nl.psum)
-        for g in range(g0, g0 + m):
-            nisa.nc_matmul(dst=d_ps[:, g - g0:g - g0 + 1], stationary=prod[:, g * P:(g + 1) * P],
-                           moving=c.ones)
+        step = _DQ_CHUNK // P
+        for u0 in range(g0, g0 + m, step):     # the product a chunk of queries at a time
+            u1 = min(g0 + m, u0 + step)
+            prod = nl.ndarray((d, (u1 - u0) * P), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=prod, data1=aT[:, u0 * P:u1 * P], data2=bT[:, u0 * P:u1 * P],
+                               op=nl.multiply, engine=nisa.gpsimd_engine)
+            for g in range(u0, u1):
+                nisa.nc_matmul(dst=d_ps[:, g - g0:g - g0 + 1],
+                               stationary=prod[:, (g - u0) * P:(g - u0 + 1) * P], moving=c.ones)
         nisa.activation(dst=out[:, g0:g0 + m], op=nl.copy, data=d_ps)
     return out
 
 
-def _load(src, d, S, mm_dtype):
-    """A (d, S) HBM slice into SBUF in the matmul dtype."""
-    t = nl.ndarray((d, S), dtype=src.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=t, src=src)
-    if src.dtype == mm_dtype:
+def _dma_in(src):
+    """An HBM slice into a new SBUF tile, as stored."""
+    t = nl.ndarray(src.shape, dtype=src.dtype, buffer=nl.sbuf)
+    # in pieces of whole rows: one instruction spreads over four DMA queues, so a tile in
+    # four pieces arrives four times sooner
+    step = -(-src.shape[0] // 4)
+    for r0 in range(0, src.shape[0], step):
+        nisa.dma_copy(dst=t[r0:r0 + step], src=src[r0:r0 + step])
+    return t
+
+
+def _as(t, dtype):
+    """t in the matmul dtype (fp16 inputs: a copy in bf16)."""
+    if t.dtype == dtype:
         return t
-    c = nl.ndarray((d, S), dtype=mm_dtype, buffer=nl.sbuf)
+    c = nl.ndarray(t.shape, dtype=dtype, buffer=nl.sbuf)
     nisa.tensor_copy(dst=c, src=t)
     return c
 
 
-def _rows(tT, d, S, dtype):
-    """(d, S) transposed block by block into (128, blocks, d): sequence on partitions. A
-    PSUM bank takes several blocks' transposes, brought out by one copy (ScalarE and
-    VectorE in turn)."""
+def _rows_dma(src, d, S):
+    """The (d, S) HBM slice ``src`` block by block transposed into (128, blocks, d),
+    sequence on partitions, by DMA transposes (no engine time, and no PSUM, which the
+    pipeline's rings hold); None for 4-byte dtypes, which DMA does not transpose."""
+    if src.dtype.itemsize != 2:
+        return None
+    P = nl.tile_size.pmax
+    n = (S + P - 1) // P
+    out = nl.ndarray((P, n, d), dtype=src.dtype, buffer=nl.sbuf)
+    whole = S // P
+    if whole:
+        nisa.dma_transpose(dst=out[:, 0:whole, :],
+                           src=src[:, 0:whole * P].reshape((d, whole, P)), axes=(2, 1, 0))
+    if whole < n:
+        w = S - whole * P
+        nisa.dma_transpose(dst=out[0:w, whole, :], src=src[:, whole * P:S])
+    return out
+
+
+def _rows(by_dma, tT, d, S, dtype):
+    """(128, blocks, d) in the matmul dtype: ``by_dma`` (``_rows_dma``'s) converted, or for
+    fp32 the (d, S) tile ``tT`` transposed by TensorE, a PSUM bank of blocks at a time,
+    copied out by ScalarE and VectorE in turn."""
+    if by_dma is not None:
+        return _as(by_dma, dtype)
     P = nl.tile_size.pmax
     n = (S + P - 1) // P
     out = nl.ndarray((P, n, d), dtype=dtype, buffer=nl.sbuf)
@@ -343,10 +422,11 @@ def _copy(dst, src, turn):
         nisa.activation(dst=dst, op=nl.copy, data=src)
 
 
-def _store(dst, acc, scale, dtype, engine):
+def _store(dst, acc, scale, dtype):
     """acc (d, S) fp32 times scale, in dst's dtype, stored to dst (d, S) by one DMA."""
     t = nl.ndarray(acc.shape, dtype=dtype, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=t, data=acc, op0=nl.multiply, operand0=scale, engine=engine)
+    nisa.tensor_scalar(dst=t, data=acc, op0=nl.multiply, operand0=scale,
+                       engine=nisa.gpsimd_engine)
     nisa.dma_copy(dst=dst, src=t)
 
 
