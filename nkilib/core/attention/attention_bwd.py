@@ -23,15 +23,19 @@ is accepted for AWS's signature; it is always on here).
 """
 from __future__ import annotations
 
+from types import SimpleNamespace as _Cfg
+from types import SimpleNamespace as _Head       # a head's query rows (or a segment of them)
+from types import SimpleNamespace as _KeyBlock   # a key block's dv/dk accumulation state
+
 import nki
 import nki.isa as nisa
 import nki.language as nl
 from nki import errors as E
 
+from ..utils.dma import runs
 from ..utils.masks import identity, mask_tile
 from ..utils.pipeline import pipeline as _pipeline
 from ..utils.refuse import refuse_given
-
 
 
 @nki.jit
@@ -214,14 +218,6 @@ _DQ_CHUNK = 512
 _BANK_BYTES = 2048
 
 
-class _Cfg:
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
-
-
-_Head = _KeyBlock = _Cfg
-
-
 def _rings(c):
     """PSUM and SBUF rings of slots taken in turn by consecutive units (as attention_cte's):
     a unit's tile is read ``gap`` ticks after it is written, and the unit ``gap`` later
@@ -354,11 +350,8 @@ def _row_dots(c, aT, bT, d, S):
 def _dma_in(src):
     """An HBM slice into a new SBUF tile, as stored."""
     t = nl.ndarray(src.shape, dtype=src.dtype, buffer=nl.sbuf)
-    # in pieces of whole rows: one instruction spreads over four DMA queues, so a tile in
-    # four pieces arrives four times sooner
-    step = -(-src.shape[0] // 4)
-    for r0 in range(0, src.shape[0], step):
-        nisa.dma_copy(dst=t[r0:r0 + step], src=src[r0:r0 + step])
+    for r0, n in runs(src.shape[0]):
+        nisa.dma_copy(dst=t[r0:r0 + n], src=src[r0:r0 + n])
     return t
 
 
