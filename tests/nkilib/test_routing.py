@@ -30,11 +30,11 @@ def test_sdpa_time_is_the_kernels():
     k = torch.randn(2, 3, 256, 64, device="neuron")
     _, full, _ = _attention_time(F.scaled_dot_product_attention, q, k, k)
     _, causal, _ = _attention_time(lambda a, b: F.scaled_dot_product_attention(a, b, b, is_causal=True), q, k)
-    head_full = routes.head_latency_ns(p.name, "fwd", 256, 256, 64, "float32", False, 6)
-    head_causal = routes.head_latency_ns(p.name, "fwd", 256, 256, 64, "float32", True, 6)
+    head_full = routes.head_latency_ns(p.name, "fwd", 256, 256, 64, "float32", False, 6, lnc)
+    head_causal = routes.head_latency_ns(p.name, "fwd", 256, 256, 64, "float32", True, 6, lnc)
     launch = p.launch_overhead_ns * 1e-9
-    assert full == pytest.approx(launch + head_full * 1e-9 * 6 / lnc, rel=1e-9)
-    assert causal == pytest.approx(launch + head_causal * 1e-9 * 6 / lnc, rel=1e-9)
+    assert full == pytest.approx(launch + head_full * 1e-9 * 6, rel=1e-9)
+    assert causal == pytest.approx(launch + head_causal * 1e-9 * 6, rel=1e-9)
     assert head_causal != head_full     # the causal flag reaches the cost
 
 
@@ -45,8 +45,9 @@ def test_sdpa_backward_time_is_the_kernels():
     def step(x):
         F.scaled_dot_product_attention(x, x, x, is_causal=True).sum().backward()
     _, _, bwd = _attention_time(step, q)
-    head = routes.head_latency_ns(cfg.profile.name, "bwd", 256, 256, 32, "float32", True, 2)
-    assert bwd == pytest.approx(cfg.profile.launch_overhead_ns * 1e-9 + head * 1e-9 * 2 / cfg.lnc,
+    head = routes.head_latency_ns(cfg.profile.name, "bwd", 256, 256, 32, "float32", True, 2,
+                                  cfg.lnc)
+    assert bwd == pytest.approx(cfg.profile.launch_overhead_ns * 1e-9 + head * 1e-9 * 2,
                                 rel=1e-9)
 
 
@@ -105,6 +106,53 @@ def test_execute_mode_runs_the_kernels():
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().endswith("ok")
+
+
+CHARGES = textwrap.dedent("""
+    import torch, torch.nn.functional as F
+    from torch_neuronx import _state, cost_model
+    from torch_neuronx.kernels import nkilib_routes as routes
+    assert routes.EXECUTE
+    cfg = _state.config()
+    p, lnc = cfg.profile, cfg.lnc
+    assert lnc == 2, lnc          # trn2's logical core: the grid matters
+
+    def charged(fn):
+        torch.neuron.synchronize()
+        cost_model.reset_modelled_time()
+        fn()
+        torch.neuron.synchronize()
+        return cost_model.modelled_time().by_op
+    # four heads, so that kernel[2] and one core over all heads differ
+    for shape, causal in (((1, 4, 384, 64), True), ((2, 2, 256, 32), False)):
+        B, H, S, d = shape
+        q, k, v = (torch.randn(shape, dtype=torch.bfloat16, device="neuron",
+                               requires_grad=True) for _ in range(3))
+        box = {}
+        fwd = charged(lambda: box.setdefault(
+            "o", F.scaled_dot_product_attention(q, k, v, is_causal=causal)))
+        bwd = charged(lambda: box["o"].sum().backward())
+        for kind, got in (("fwd", fwd["nki:attention_cte"]), ("bwd", bwd["nki:attention_bwd"])):
+            want = routes.head_latency_ns(p.name, kind, S, S, d, "bfloat16", causal, B * H,
+                                          lnc) * B * H * 1e-9
+            assert abs(got - want) <= 1e-6 * want, (shape, kind, got, want)
+    x, w = torch.randn(256, 1024, device="neuron"), torch.randn(1024, device="neuron")
+    got = charged(lambda: F.rms_norm(x, (1024,), w))["nki:rmsnorm_tkg"]
+    want = routes.norm_kernel_seconds("rms_norm", p, lnc, [(256, 1024), (1024,)],
+                                      torch.float32)
+    assert abs(got - want) <= 1e-6 * want, (got, want)
+    print("ok")
+""")
+
+
+def test_execute_mode_is_charged_what_the_route_charges():
+    """A kernel executed under TORCH_NEURONX_NKI_EXECUTE=1 runs as kernel[lnc], as the route
+    prices it (it ran on one core, charged up to twice the route's time)."""
+    env = dict(os.environ, TORCH_NEURONX_NKI_EXECUTE="1")
+    env.pop("NEURON_PLATFORM_TARGET_OVERRIDE", None)
+    r = subprocess.run([sys.executable, "-c", CHARGES], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
 def _flex_time(fn, *args):

@@ -6,10 +6,10 @@ compiled graphs, where the host runs it at CPU speed with CPU's numerics. Its mo
 is that of NKI-lib's FlashAttention kernels (``nkilib.core.attention.attention_cte`` and
 ``attention_bwd``; ``attention_tkg`` for decode-shaped calls of at most 8 queries against
 at least 128 keys) at the call's shape: one launch over up to 16 of the call's query heads
-(pipelined together, as the kernel runs them) is simulated on the target chip once per
-(chip, shape, dtype, causal, heads simulated) and cached; a call costs that launch's
-latency per head times its heads, spread over the logical core's physical cores as
-``kernel[lnc]`` spreads them.
+(pipelined together, as the kernel runs them) is simulated as ``kernel[lnc]`` (spread over
+the logical core's physical cores as the kernel spreads its work) on the target chip once
+per (chip, shape, dtype, causal, heads simulated, lnc) and cached; a call costs that
+launch's latency per head times its heads.
 Calls the kernels do not cover (an explicit mask, dropout, head dim > 128, a backward whose
 query length is not a multiple of 128, dtypes other than fp32/bf16/fp16) keep the
 roofline cost, and the logger ``torch_neuronx.nkilib`` says why at debug level.
@@ -77,16 +77,16 @@ def sim_heads(heads: int, sq: int, skv: int) -> int:
 
 
 def head_latency_ns(target: str, kind: str, sq: int, skv: int, d: int, dtype: str,
-                    causal: bool, heads: int = 1) -> float:
-    """Modelled latency per query head of the NKI-lib kernel on one physical core, for a
-    launch over ``heads`` heads (simulated together up to ``sim_heads``)."""
+                    causal: bool, heads: int = 1, lnc: int = 1) -> float:
+    """Modelled latency per query head of the NKI-lib kernel launched as ``kernel[lnc]``
+    over ``heads`` heads (simulated together up to ``sim_heads``)."""
     n = sim_heads(heads, sq, skv)
-    return _latency_ns(target, kind, sq, skv, d, dtype, causal, n) / n
+    return _latency_ns(target, kind, sq, skv, d, dtype, causal, n, max(1, lnc)) / n
 
 
 @functools.lru_cache(maxsize=512)
-def _latency_ns(target, kind, sq, skv, d, dtype, causal, n):
-    """Modelled latency of one launch of the kernel over n query heads."""
+def _latency_ns(target, kind, sq, skv, d, dtype, causal, n, lnc):
+    """Modelled latency of one launch of ``kernel[lnc]`` over n query heads."""
     f = 1.0
     while sq * skv / (f * f) > _SIM_SCORES:
         f *= 2
@@ -100,11 +100,13 @@ def _latency_ns(target, kind, sq, skv, d, dtype, causal, n):
         return (0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(dt)
     scale = 1.0 / math.sqrt(d)
     if kind == "fwd":
-        r = nki.benchmark(attention_cte, target=target)(
-            rand(n, s_q, d), rand(n, d, s_kv), rand(n, s_kv, d), scale=scale, causal_mask=causal)
+        # the statistics stored too: the op returns its log-sum-exp, for the backward
+        r = nki.benchmark(on_cores(attention_cte, lnc), target=target)(
+            rand(n, s_q, d), rand(n, d, s_kv), rand(n, s_kv, d), scale=scale, causal_mask=causal,
+            cache_softmax=True)
     else:
         lse = np.zeros((1, n, 128, s_q // 128), np.float32)
-        r = nki.benchmark(attention_bwd, target=target)(
+        r = nki.benchmark(on_cores(attention_bwd, lnc), target=target)(
             rand(1, n, d, s_q), rand(1, n, d, s_kv), rand(1, n, d, s_kv), rand(1, n, d, s_q),
             rand(1, n, d, s_q), lse, use_causal_mask=causal, softmax_scale=scale)
     return r.latency_ns * ratio
@@ -131,8 +133,8 @@ def _attention_seconds(op, kind, p, lnc, shapes, dtype, flags):
     if kind == "fwd" and _decode_shape(H, Hkv, sq, skv):
         ns = decode_latency_ns(p.name, H, Hkv, sq, skv, d, _DTYPES[dtype])
         return ns * 1e-9 * B / max(1, lnc)
-    ns = head_latency_ns(p.name, kind, sq, skv, d, _DTYPES[dtype], bool(flags & 1), B * H)
-    return ns * 1e-9 * B * H / max(1, lnc)
+    ns = head_latency_ns(p.name, kind, sq, skv, d, _DTYPES[dtype], bool(flags & 1), B * H, lnc)
+    return ns * 1e-9 * B * H
 
 
 def _decode_shape(H, Hkv, sq, skv) -> bool:
@@ -239,9 +241,9 @@ def flex_seconds(kind, B, H, sq, skv, d, dtype, fraction):
     if kind == "bwd" and sq % 128:
         return _decline(op, f"query length {sq} is not a multiple of 128")
     ns = head_latency_ns(cfg.profile.name, kind, sq, skv, d, _DTYPES[dtype], False,
-                         B * H) * fraction
+                         B * H, cfg.lnc) * fraction
     flops = (4.0 if kind == "fwd" else 8.0) * B * H * sq * skv * d * fraction
-    return cfg.profile.launch_overhead_ns * 1e-9 + ns * 1e-9 * B * H / max(1, cfg.lnc), flops
+    return cfg.profile.launch_overhead_ns * 1e-9 + ns * 1e-9 * B * H, flops
 
 
 @contextlib.contextmanager
@@ -318,7 +320,7 @@ def norm_kernel_ns(target, op, rows, H, dtype, beta, lnc):
     g = np.ones((1, H), dt)
     kernel = NORM_KERNELS[op]
     kw = {"beta": np.zeros((1, H), dt)} if beta else {}
-    r = nki.benchmark(kernel[lnc] if lnc > 1 else kernel, target=target)(x, g, eps=1e-6, **kw)
+    r = nki.benchmark(on_cores(kernel, lnc), target=target)(x, g, eps=1e-6, **kw)
     return r.latency_ns
 
 
@@ -334,6 +336,16 @@ def _on_cpu(op, *args, **kwargs):
     return tuple(o.to(dev) if isinstance(o, torch.Tensor) else o for o in out)
 
 
+def on_cores(kernel, lnc=None):
+    """``kernel`` launched over the logical core's physical cores (``kernel[lnc]``, the
+    current device's when ``lnc`` is None), as the cost routes price it: a kernel run in
+    execution mode is charged what the route charges for the same call."""
+    if lnc is None:
+        from .. import _state
+        lnc = _state.config().lnc
+    return kernel[lnc] if lnc > 1 else kernel
+
+
 def _execute_fwd(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     B, H, sq, d = query.shape
@@ -345,8 +357,9 @@ def _execute_fwd(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask
     q = query.reshape(B * H, sq, d).contiguous()
     k = key.transpose(-1, -2).reshape(B * Hkv, d, skv).contiguous()
     v = value.reshape(B * Hkv, skv, d).contiguous()
-    out, neg_max, sum_recip = attention_cte(q, k, v, scale=sc, causal_mask=bool(is_causal),
-                                            cache_softmax=True)
+    out, neg_max, sum_recip = on_cores(attention_cte)(q, k, v, scale=sc,
+                                                      causal_mask=bool(is_causal),
+                                                      cache_softmax=True)
     lse = -(neg_max + torch.log(sum_recip))             # (B*H, 128, G)
     lse = lse.transpose(1, 2).reshape(B * H, -1)[:, :sq].reshape(B, H, sq)
     return out.reshape(B, H, sq, d), lse.contiguous()
@@ -365,8 +378,8 @@ def _execute_bwd(grad_out, query, key, value, out, logsumexp, dropout_p, is_caus
     def t(x):
         return x.transpose(-1, -2).contiguous()
     lse = logsumexp.reshape(B, H, sq // 128, 128).transpose(-1, -2).contiguous()
-    dq, dk, dv = attention_bwd(t(query), t(key), t(value), t(out), t(grad_out), lse,
-                               use_causal_mask=bool(is_causal), softmax_scale=scale)
+    dq, dk, dv = on_cores(attention_bwd)(t(query), t(key), t(value), t(out), t(grad_out), lse,
+                                         use_causal_mask=bool(is_causal), softmax_scale=scale)
     return t(dq), t(dk), t(dv)
 
 

@@ -108,9 +108,9 @@ def _kernel(op, x, H, weight, bias, eps):
     g = row(weight) if weight is not None else torch.ones(1, H, dtype=x.dtype, device=x.device)
     x2 = x.reshape(-1, H).contiguous()
     if op == "rms_norm":
-        out = routes.rmsnorm_tkg(x2, g, eps=float(eps))
+        out = routes.on_cores(routes.rmsnorm_tkg)(x2, g, eps=float(eps))
     else:
-        out = routes.layernorm_tkg(x2, g, beta=row(bias), eps=float(eps))
+        out = routes.on_cores(routes.layernorm_tkg)(x2, g, beta=row(bias), eps=float(eps))
     return out.reshape(x.shape)
 
 
