@@ -15,7 +15,7 @@ from .errors import NkiError, NkiRuleError  # noqa: F401
 
 __version__ = "0.7.0"
 __all__ = ["jit", "simulate", "cpu_simulate", "benchmark", "profile", "language", "isa", "lnc", "typing", "errors",
-           "Kernel", "BenchmarkResult", "NkiError", "NkiRuleError"]
+           "Kernel", "BenchmarkResult", "NkiError", "NkiRuleError", "dtype"]
 
 # The language, the instructions and the runner load on first use: a program that only needs
 # the engine timeline (nki.simulator.timing, as torch's compiled-graph cost does) does not pay
@@ -29,6 +29,8 @@ def __getattr__(name):
         return importlib.import_module(f".{name}", __name__)
     if name in _RUNNER:
         return getattr(importlib.import_module(".simulator.runner", __name__), name)
+    if name == "dtype":          # the dtype class (AWS's kernels annotate parameters with it)
+        return importlib.import_module(".simulator.dtypes", __name__).DType
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

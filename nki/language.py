@@ -55,11 +55,13 @@ def _kind(buffer):
                              f"nl.shared_hbm or nl.private_hbm)")
 
 
-def ndarray(shape, dtype, buffer=None, name=None, **kwargs):
-    """A new tensor; its contents are NaN (floats) until written, so stray reads show."""
+def ndarray(shape, dtype, buffer=None, name=None, address=None, **kwargs):
+    """A new tensor; its contents are NaN (floats) until written, so stray reads show.
+    ``address=(partition_offset, byte_offset)`` places an SBUF/PSUM tile there (AWS's
+    direct allocation) instead of letting the allocator choose."""
     if isinstance(shape, int):
         shape = (shape,)
-    return _ctx.current().alloc(shape, as_dtype(dtype), _kind(buffer), name)
+    return _ctx.current().alloc(shape, as_dtype(dtype), _kind(buffer), name, address=address)
 
 
 def _result(shape, dtype, buffer):

@@ -44,12 +44,24 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
         base[flat[~oob]] = dst.v[~oob]
 
 
+# AWS's reference: the permutations the DMA engines perform (the second and third axes of
+# a 4-D tile stay in place; only the outer two swap).
+_DMA_TRANSPOSE_AXES = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
+
+
 def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
                   oob_mode=oob_mode.error, name=None):
-    """Transpose while copying (2-D: swap axes; 3-D/4-D: permute by axes) with DMA."""
+    """Transpose while copying with DMA: dst axis i is src axis ``axes[i]``; AWS's permutations
+    (1, 0), (2, 1, 0) and (3, 1, 2, 0), the default for 2-D, 3-D and 4-D sources."""
     I = "dma_transpose"
     _T(dst, "dst", I), _T(src, "src", I)
-    ax = tuple(axes) if axes is not None else tuple(reversed(range(src.ndim)))
+    if src.ndim not in _DMA_TRANSPOSE_AXES:
+        _rules.fail(E.ShapeMismatchError, f"{I}: src {tuple(src.shape)} has {src.ndim} dims; "
+                                          f"DMA transposes 2-D, 3-D and 4-D tiles")
+    ax = tuple(axes) if axes is not None else _DMA_TRANSPOSE_AXES[src.ndim]
+    if ax != _DMA_TRANSPOSE_AXES[src.ndim]:
+        _rules.fail(E.NkiRuleError, f"{I}: axes {ax} for a {src.ndim}-D src; the DMA engines "
+                                    f"support {_DMA_TRANSPOSE_AXES[src.ndim]}")
     want = tuple(src.shape[a] for a in ax)
     if tuple(dst.shape) != want:
         _rules.fail(E.ShapeMismatchError, f"{I}: dst {tuple(dst.shape)} must be {want} (src {tuple(src.shape)} permuted by {ax})")

@@ -79,9 +79,13 @@ class Sim:
                 Allocator("psum", p.psum_partition_bytes, bank_bytes=p.psum_bank_bytes))
 
     # -- allocation ----------------------------------------------------------------
-    def alloc(self, shape, dtype: DType, kind: str, name=None, fill="nan") -> NkiTensor:
+    def alloc(self, shape, dtype: DType, kind: str, name=None, fill="nan",
+              address=None) -> NkiTensor:
         shape = tuple(int(s) for s in shape)
         name = name or f"{kind}_{new_id()}"
+        if address is not None and kind not in ("sbuf", "psum"):
+            rules.fail(E.UnsupportedError, f"tensor {name!r}: address= places SBUF and PSUM "
+                                           f"tiles; {kind.upper()} tensors take none")
         # The programs of a grid share its HBM outputs: the n-th one a program allocates is
         # the n-th of the first program that allocated it (the cores of an LNC=2 pair may
         # interleave, see lnc.py).
@@ -122,8 +126,16 @@ class Sim:
                        f"{shape[0]} > {self.pmax} (nl.tile_size.pmax)")
         per_part = math.prod(shape[1:]) * dtype.itemsize
         alloc = self.sbuf if kind == "sbuf" else self.psum
-        addr = alloc.alloc(per_part, name)
-        buf = Buffer(kind, dtype, store, name, addr, alloc)
+        if address is None:
+            buf = Buffer(kind, dtype, store, name, alloc.alloc(per_part, name), alloc)
+        else:
+            p0, addr = _address(address, name)
+            if p0 + shape[0] > self.pmax:
+                rules.fail(E.PartitionDimensionError,
+                           f"{kind.upper()} tile {name!r} of shape {shape} placed at partition "
+                           f"{p0} runs past partition {self.pmax - 1}")
+            buf = Buffer(kind, dtype, store, name, addr, alloc.place(addr, per_part, name),
+                         pbase=p0)
         buf.recycle = True
         if kind == "psum":
             buf.groups = []
@@ -190,3 +202,15 @@ def set_current(sim):
     global _current
     prev, _current = _current, sim
     return prev
+
+
+def _address(address, name):
+    """AWS's ``address=(partition_offset, byte_offset)`` of a placed tile."""
+    try:
+        p0, addr = (int(a) for a in address)
+    except (TypeError, ValueError):
+        rules.fail(E.UnsupportedError, f"tile {name!r}: address={address!r} is not a "
+                                       f"(partition_offset, byte_offset) pair of integers")
+    if p0 < 0:
+        rules.fail(E.PartitionDimensionError, f"tile {name!r}: partition offset {p0} < 0")
+    return p0, addr

@@ -4,6 +4,11 @@ SBUF and PSUM are 2-D (partition x bytes). A tile occupies the same byte range i
 its partitions; the allocator hands out byte ranges first-fit and frees them when the last
 reference to the tile goes away. Addresses matter: the timing model tracks dependencies by
 address, so reusing a freed range makes the new tile wait for the old one's readers.
+
+A kernel may also place a tile itself (``nl.ndarray(..., address=(partition, byte))``, as
+AWS's kernels do for their multi-buffering): such ranges may overlap each other (the
+kernel's own reuse of a bank or buffer, serialised by the timing model through the shared
+addresses), and automatic allocations keep clear of them while they live.
 """
 from __future__ import annotations
 
@@ -21,19 +26,48 @@ class Allocator:
         self.names: dict[int, str] = {}
         self.peak = 0
         self.cursor = 0                      # next-fit: rotate through memory like a ring
+        self.placed: dict[int, tuple[int, int, str]] = {}   # key -> (start, end, name)
+        self._keys = 0
 
     def used(self) -> int:
-        return sum(self.ends[s] - s for s in self.starts)
+        auto = sum(self.ends[s] - s for s in self.starts)
+        if not self.placed:
+            return auto
+        covered, reach = 0, 0               # the placed ranges' union
+        for lo, hi, _ in sorted(self.placed.values()):
+            lo = max(lo, reach)
+            if hi > lo:
+                covered += hi - lo
+            reach = max(reach, hi)
+        return auto + covered
+
+    def place(self, addr: int, nbytes: int, name: str) -> "_Placed":
+        """A range the kernel chose itself; the returned handle frees it."""
+        if addr < 0 or addr % self.align:
+            rules.fail(E.UnsupportedError,
+                       f"{self.kind.upper()} tile {name!r}: address byte offset {addr} must be "
+                       f"a non-negative multiple of {self.align}")
+        if addr + nbytes > self.capacity:
+            cls = E.PsumCapacityError if self.kind == "psum" else E.SbufCapacityError
+            rules.fail(cls, f"{self.kind.upper()} tile {name!r} placed at byte {addr} takes "
+                            f"{nbytes} bytes per partition, past the {self.capacity} a "
+                            f"partition holds")
+        self._keys += 1
+        self.placed[self._keys] = (addr, addr + nbytes, name)
+        self.peak = max(self.peak, self.used())
+        return _Placed(self, self._keys)
 
     def alloc(self, nbytes: int, name: str) -> int:
         nbytes = max(self.align, -(-nbytes // self.align) * self.align)
         addr = self._fit(nbytes)
         if addr is None:
             cls = E.PsumCapacityError if self.kind == "psum" else E.SbufCapacityError
-            live = ", ".join(f"{self.names[s]}@{s}:{self.ends[s] - s}B" for s in self.starts[:12])
+            tiles = [(self.names[s], s, self.ends[s]) for s in self.starts]
+            tiles += [(n, lo, hi) for lo, hi, n in self.placed.values()]
+            live = ", ".join(f"{n}@{lo}:{hi - lo}B" for n, lo, hi in tiles[:12])
             rules.fail(cls, f"cannot allocate {nbytes} bytes per partition for {name!r} in "
                             f"{self.kind.upper()}: {self.used()} of {self.capacity} bytes per "
-                            f"partition are live ({live}{', ...' if len(self.starts) > 12 else ''})")
+                            f"partition are live ({live}{', ...' if len(tiles) > 12 else ''})")
         bisect.insort(self.starts, addr)
         self.ends[addr], self.names[addr] = addr + nbytes, name
         self.peak = max(self.peak, self.used())
@@ -43,17 +77,21 @@ class Allocator:
         # Next-fit from the last allocation, then first-fit from 0: freshly freed tiles are
         # reused last, so loop-local tiles rotate through buffers as the compiler's
         # multi-buffering does, instead of serialising on one address.
+        taken = [(s, self.ends[s]) for s in self.starts]
+        if self.placed:
+            taken = sorted(taken + [(lo, hi) for lo, hi, _ in self.placed.values()])
+        taken.append((self.capacity, self.capacity))
         for lo in (self.cursor, 0):
             cur = lo
-            for s in self.starts + [self.capacity]:
-                if s + (self.ends.get(s, s) - s) <= lo and s < self.capacity:
+            for s, e in taken:
+                if e <= lo and s < self.capacity:
                     continue
                 cand = self._bank_align(cur, n)
                 if cand + n <= s:
                     self.cursor = cand + n
                     return cand
                 if s < self.capacity:
-                    cur = max(cur, self.ends[s])
+                    cur = max(cur, e)
         return None
 
     def _bank_align(self, addr: int, n: int) -> int:
@@ -69,3 +107,14 @@ class Allocator:
         if addr in self.ends:
             self.starts.remove(addr)
             del self.ends[addr], self.names[addr]
+
+
+class _Placed:
+    """A placed range's handle: a buffer frees it as it frees an allocated one."""
+    __slots__ = ("owner", "key")
+
+    def __init__(self, owner: Allocator, key: int):
+        self.owner, self.key = owner, key
+
+    def free(self, _addr):
+        self.owner.placed.pop(self.key, None)

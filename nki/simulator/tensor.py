@@ -59,11 +59,13 @@ def _give_spare(a):
 
 class Buffer:
     __slots__ = ("kind", "dtype", "data", "name", "addr", "alloc", "ptr", "sitem",
-                 "written", "groups", "origin", "recycle", "framework_tensor", "__weakref__")
+                 "written", "groups", "origin", "recycle", "framework_tensor", "pbase",
+                 "__weakref__")
 
-    def __init__(self, kind, dtype, data, name, addr=0, alloc=None, origin=None):
+    def __init__(self, kind, dtype, data, name, addr=0, alloc=None, origin=None, pbase=0):
         self.kind, self.dtype, self.data, self.name = kind, dtype, data, name
         self.addr, self.alloc, self.origin = addr, alloc, origin
+        self.pbase = pbase           # first partition (a tile placed at a partition offset)
         self.ptr = data.__array_interface__["data"][0]
         self.sitem = data.itemsize
         self.written = False
@@ -105,7 +107,7 @@ class NkiTensor:
         self._box = None
         if buf.kind != "hbm" and view.ndim:
             lo, _ = _bounds(view)
-            self.pstart = (lo - buf.ptr) // buf.data.strides[0]
+            self.pstart = buf.pbase + (lo - buf.ptr) // buf.data.strides[0]
         else:
             self.pstart = 0
 
@@ -278,6 +280,7 @@ class NkiTensor:
                 p0, f0 = divmod(lo, row)
                 p1, f1 = divmod(hi, row)
                 isz = buf.dtype.itemsize
+                p0, p1 = p0 + buf.pbase, p1 + buf.pbase
                 self._box = (buf.kind, (p0, p1 + 1, buf.addr + f0 * isz, buf.addr + (f1 + 1) * isz))
         return self._box
 
