@@ -134,7 +134,7 @@ class Sim:
                 rules.fail(E.PartitionDimensionError,
                            f"{kind.upper()} tile {name!r} of shape {shape} placed at partition "
                            f"{p0} runs past partition {self.pmax - 1}")
-            buf = Buffer(kind, dtype, store, name, addr, alloc.place(addr, per_part, name),
+            buf = Buffer(kind, dtype, store, name, addr, alloc.place(addr, per_part, name, max(1, dtype.itemsize)),
                          pbase=p0)
         buf.recycle = True
         if kind == "psum":

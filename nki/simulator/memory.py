@@ -41,12 +41,13 @@ class Allocator:
             reach = max(reach, hi)
         return auto + covered
 
-    def place(self, addr: int, nbytes: int, name: str) -> "_Placed":
-        """A range the kernel chose itself; the returned handle frees it."""
-        if addr < 0 or addr % self.align:
+    def place(self, addr: int, nbytes: int, name: str, align: int) -> "_Placed":
+        """A range the kernel chose itself, at a multiple of ``align`` (its dtype's size, as
+        AWS's kernels align their own allocations); the returned handle frees it."""
+        if addr < 0 or addr % align:
             rules.fail(E.UnsupportedError,
                        f"{self.kind.upper()} tile {name!r}: address byte offset {addr} must be "
-                       f"a non-negative multiple of {self.align}")
+                       f"a non-negative multiple of {align} (its dtype's size)")
         if addr + nbytes > self.capacity:
             cls = E.PsumCapacityError if self.kind == "psum" else E.SbufCapacityError
             rules.fail(cls, f"{self.kind.upper()} tile {name!r} placed at byte {addr} takes "

@@ -96,7 +96,7 @@ def test_a_partition_offset_reaches_the_engine_rules():
 @pytest.mark.parametrize("shape, address, error, match", [
     ((P, 64), (0, 229376 - 128), E.SbufCapacityError, "past the 229376"),
     ((64, 64), (96, 0), E.PartitionDimensionError, "runs past partition 127"),
-    ((P, 64), (0, 2), E.UnsupportedError, "multiple of 4"),
+    ((P, 64), (0, 2), E.UnsupportedError, "multiple of 4 \\(its dtype's size\\)"),
     ((P, 64), "0", E.UnsupportedError, "partition_offset, byte_offset"),
 ])
 def test_bad_placements_are_refused(shape, address, error, match):
@@ -106,6 +106,19 @@ def test_bad_placements_are_refused(shape, address, error, match):
         return x
     with pytest.raises(error, match=match):
         kernel(np.ones((1, 1), np.float32))
+
+
+def test_a_placement_aligns_to_its_dtype():
+    @nki.jit
+    def kernel(x):
+        t = nl.ndarray((P, 3), dtype=nl.bfloat16, buffer=nl.sbuf, address=(0, 502))
+        nisa.dma_copy(dst=t, src=x)
+        out = nl.ndarray((P, 3), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=t)
+        return out
+    import ml_dtypes
+    x = np.arange(P * 3, dtype=np.float32).reshape(P, 3).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(np.asarray(kernel(x)), x)
 
 
 def test_hbm_tensors_take_no_address():
