@@ -128,6 +128,12 @@ UNARY = {
 # operator of the activation instructions, not a function of one tile.
 PRELU = Op("prelu", "act", lambda x, alpha: np.where(x >= 0, x, np.float32(alpha) * x))
 ALL = {**BINARY, **UNARY, "prelu": PRELU}
+# AWS's table of arithmetic operators for the engines' ALUs (tensor_scalar, tensor_tensor,
+# reductions, ...) also lists these unary functions: in an operator slot they act on the
+# data and ignore the operand (AWS's rmsnorm_quant takes |x| as op0=nl.abs, operand0=0.0);
+# bypass passes the data through (activate2's unused stage).
+ALU_UNARY = {n: Op(n, "arith", (lambda f: lambda a, b: f(a))(UNARY[n].fn))
+             for n in ("abs", "reciprocal", "rsqrt", "logical_not", "bypass")}
 
 
 def apply_binary(op: Op, a, b):

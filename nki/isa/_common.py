@@ -63,6 +63,11 @@ def _op(op, instr, kinds=None):
         op = _ops.ALL.get(op)
     if not isinstance(op, _ops.Op):
         _rules.fail(E.NkiRuleError, f"{instr}: op must be an nki.language operator (e.g. nl.add), got {op!r}")
+    if op.kind == "act" and (kinds is None or ("arith" in kinds and "act" not in kinds)):
+        if op.name not in _ops.ALU_UNARY:
+            _rules.fail(E.NkiRuleError, f"{instr}: {op.name} is an activation function, not an "
+                                        f"ALU operator (nisa.activation applies it)")
+        op = _ops.ALU_UNARY[op.name]
     if kinds and op.kind not in kinds:
         _rules.fail(E.NkiRuleError, f"{instr}: operator {op.name} is not allowed here (needs {'/'.join(kinds)})")
     return op

@@ -88,6 +88,11 @@ class DType:
     def __repr__(self):
         return f"nki.language.{self.name}"
 
+    def __str__(self):
+        # the bare name, as numpy's dtypes print: AWS's kernels compare str(dtype) with
+        # "bfloat16", "float32", ... (nkilib's resolve_dtype_to_nki, attention_cte)
+        return self.name
+
 
 def _ml_round(t):
     def r(v):

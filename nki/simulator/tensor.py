@@ -169,6 +169,120 @@ class NkiTensor:
                        f"without copying (it is not contiguous or the sizes differ)")
         return NkiTensor(self.buf, v)
 
+    # -- AWS's named view operations (nki.language.NkiTensor): numpy views of the storage,
+    # so they read and write through like indexing; an on-chip tensor keeps its partition dim
+    def _dim(self, dim, what, extra=0):
+        n = self.ndim + extra
+        if not -n <= dim < n:
+            rules.fail(E.ShapeMismatchError, f"{what}: dim {dim} out of range for "
+                                             f"{self.name!r} of shape {tuple(self.shape)}")
+        dim %= n
+        if dim == 0 and self.kind != "hbm" and what not in ("slice", "flatten_dims"):
+            rules.fail(E.ShapeMismatchError, f"{what}: dim 0 of {self.name!r} is its partition "
+                                             f"dimension ({self.kind.upper()}), which views keep")
+        return dim
+
+    def slice(self, dim, start, end, step=1):
+        """Elements start:end:step of ``dim``."""
+        dim = self._dim(dim, "slice")
+        idx = [slice(None)] * self.ndim
+        idx[dim] = slice(start, end, step)
+        return NkiTensor(self.buf, self.v[tuple(idx)])
+
+    def select(self, dim, index):
+        """Index ``index`` of ``dim``, which the view drops."""
+        dim = self._dim(dim, "select")
+        if not -self.shape[dim] <= index < self.shape[dim]:
+            rules.fail(E.IndexOutOfBoundsError, f"select: index {index} out of range for dim "
+                                                f"{dim} of {self.name!r} {tuple(self.shape)}")
+        idx = [slice(None)] * self.ndim
+        idx[dim] = index
+        return NkiTensor(self.buf, self.v[tuple(idx)])
+
+    def expand_dim(self, dim):
+        """A new dimension of size 1 at ``dim``."""
+        dim = self._dim(dim, "expand_dim", extra=1)
+        return NkiTensor(self.buf, np.expand_dims(self.v, dim))
+
+    def squeeze_dim(self, dim):
+        """Drops ``dim``, of size 1."""
+        dim = self._dim(dim, "squeeze_dim")
+        if self.shape[dim] != 1:
+            rules.fail(E.ShapeMismatchError, f"squeeze_dim: dim {dim} of {self.name!r} "
+                                             f"{tuple(self.shape)} has size "
+                                             f"{self.shape[dim]}, not 1")
+        return NkiTensor(self.buf, np.squeeze(self.v, dim))
+
+    def reshape_dim(self, dim, shape):
+        """``dim`` split into ``shape`` (one entry may be -1)."""
+        dim = self._dim(dim, "reshape_dim")
+        return self.reshape(tuple(self.shape[:dim]) + tuple(shape) + tuple(self.shape[dim + 1:]))
+
+    def flatten_dims(self, start_dim, end_dim):
+        """Dims start_dim..end_dim (inclusive) merged into one, where no copy is needed."""
+        a = self._dim(start_dim, "flatten_dims")
+        b = self._dim(end_dim, "flatten_dims")
+        if a == 0 < b and self.kind != "hbm":
+            self._dim(0, "flatten_dims (partition)")
+        n = int(np.prod(self.shape[a:b + 1]))
+        return self.reshape(tuple(self.shape[:a]) + (n,) + tuple(self.shape[b + 1:]))
+
+    def permute(self, dims):
+        """The dimensions reordered: view dim i is this tensor's ``dims[i]``."""
+        dims = tuple(int(d) % self.ndim for d in dims)
+        if sorted(dims) != list(range(self.ndim)):
+            rules.fail(E.ShapeMismatchError, f"permute: {dims} is not a permutation of the "
+                                             f"{self.ndim} dims of {self.name!r}")
+        if self.kind != "hbm" and dims[0] != 0:
+            self._dim(0, "permute")
+        return NkiTensor(self.buf, np.transpose(self.v, dims))
+
+    def broadcast(self, dim, size):
+        """Size-1 ``dim`` repeated ``size`` times (stride 0: a read-only view)."""
+        dim = self._dim(dim, "broadcast")
+        if self.shape[dim] != 1:
+            rules.fail(E.ShapeMismatchError, f"broadcast: dim {dim} of {self.name!r} "
+                                             f"{tuple(self.shape)} has size "
+                                             f"{self.shape[dim]}, not 1")
+        shape = list(self.shape)
+        shape[dim] = int(size)
+        return NkiTensor(self.buf, np.broadcast_to(self.v, tuple(shape)))
+
+    def get_pattern(self):
+        """This view's access pattern ``[[stride, count], ...]`` in elements, as ``ap`` takes
+        it (on chip the first pair steps partitions by the allocation's partition pitch)."""
+        return [[int(st) // self.v.itemsize, int(n)] for st, n in zip(self.v.strides, self.shape)]
+
+    def is_contiguous(self):
+        """Whether the view covers its elements without gaps (on chip: within each
+        partition, its partitions consecutive)."""
+        v = self.v
+        if self.kind != "hbm" and v.ndim:
+            rows = v[0] if v.shape[0] else v
+            pitch = self.buf.data.strides[0]
+            return bool(rows.flags.c_contiguous and (v.shape[0] <= 1 or v.strides[0] == pitch))
+        return bool(v.flags.c_contiguous)
+
+    def is_indirect(self):
+        return getattr(self, "_indirect", None) is not None
+
+    def indirect(self, *args, **kwargs):
+        raise E.UnsupportedError("NkiTensor.indirect (tensor indirection views) is not "
+                                 "implemented in this simulator; use .ap(vector_offset=...)")
+
+    def vector_select(self, *args, **kwargs):
+        raise E.UnsupportedError("NkiTensor.vector_select is not implemented in this simulator; "
+                                 "use .ap(vector_offset=...)")
+
+    def rearrange(self, *args, **kwargs):
+        raise E.UnsupportedError("NkiTensor.rearrange is not implemented in this simulator; "
+                                 "use permute, reshape_dim and flatten_dims")
+
+    @property
+    def reinterpret_cast(self):
+        raise E.UnsupportedError("NkiTensor.reinterpret_cast (bit-casting a tensor) is not "
+                                 "implemented in this simulator")
+
     def view(self, dtype):
         raise E.UnsupportedError("NkiTensor.view(dtype) (bit-casting a tensor) is not implemented")
 

@@ -793,3 +793,40 @@ def test_dma_compute_rules(kw, err, match):
 def test_unsupported_instructions_say_why(name, match):
     with pytest.raises(E.UnsupportedError, match=f"nki.isa.{name}.*{match}"):
         getattr(nisa, name)
+
+
+def test_unary_arithmetic_operators_in_alu_slots():
+    """AWS's arithmetic-operator table lists abs, reciprocal, rsqrt and logical_not for the
+    ALUs: in an operator slot they act on the data and ignore the operand (AWS's
+    rmsnorm_quant: |x| and its row maximum in one tensor_scalar_reduce)."""
+    x = np.random.default_rng(3).standard_normal((128, 64)).astype(np.float32)
+
+    @nki.jit
+    def k(x):
+        t = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x)
+        outs = []
+        a = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.sbuf)
+        m = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar_reduce(dst=a, data=t, op0=nl.abs, operand0=0.0, reduce_op=nl.maximum,
+                                  reduce_res=m)
+        r = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=r, data=t, op0=nl.reciprocal, operand0=7.0, op1=nl.multiply,
+                           operand1=2.0)
+        for s in (a, m, r):
+            o = nl.ndarray(s.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+            nisa.dma_copy(dst=o, src=s)
+            outs.append(o)
+        return outs
+    a, m, r = (np.asarray(o) for o in k(x))
+    np.testing.assert_array_equal(a, np.abs(x))
+    np.testing.assert_array_equal(m[:, 0], np.abs(x).max(1))
+    np.testing.assert_allclose(r, 2 / x, rtol=1e-6)
+
+    @nki.jit
+    def exp_in_alu(x):
+        t = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=t, data=t, op0=nl.exp, operand0=0.0)
+        return x
+    with pytest.raises(E.NkiRuleError, match="exp is an activation function, not an ALU"):
+        exp_in_alu(x)

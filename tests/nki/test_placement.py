@@ -140,6 +140,10 @@ def test_placed_psum_banks_are_capacity_checked():
 
 def test_nki_dtype_is_the_dtype_class():
     assert isinstance(nl.bfloat16, nki.dtype) and isinstance(nl.float32, nki.dtype)
+    # AWS's kernels compare str(dtype) with bare names (nkilib's resolve_dtype_to_nki)
+    assert [str(d) for d in (nl.bfloat16, nl.float32, nl.float8_e4m3)] == \
+        ["bfloat16", "float32", "float8_e4m3"]
+    assert repr(nl.bfloat16) == "nki.language.bfloat16"
 
 
 def test_dma_transpose_permutations_are_aws_s():
