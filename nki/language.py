@@ -34,14 +34,19 @@ shared_hbm, private_hbm = BUFFERS["shared_hbm"], BUFFERS["private_hbm"]
 
 
 class tile_size:
-    """Tile limits of the NeuronCore (identical on trn1/trn2/trn3)."""
+    """Tile limits of the NeuronCore (identical on trn1/trn2/trn3), as AWS defines them:
+    PSUM sizes are per bank per partition (AWS's kernels address bank b at
+    ``b * psum_fmax * 4``)."""
     pmax = 128
     gemm_stationary_fmax = 128
     gemm_moving_fmax = 512
     bn_stats_fmax = 512
-    psum_fmax = 2048
+    psum_fmax = psum_bank_fmax = 512                  # fp32 elements
+    psum_fmax_bytes = psum_bank_fmax_bytes = 2048
+    psum_num_banks = 8
     psum_partition_size = 16384
-    total_available_sbuf_size = 192 * 1024
+    total_available_sbuf_size = sbuf_fmax_bytes = 192 * 1024
+    sbuf_fmax = 192 * 1024 // 4                       # fp32 elements
 
 
 def _kind(buffer):
@@ -458,8 +463,8 @@ def _nki_object_init(self, *args, **kwargs):
                 object.__setattr__(self, f.name, f.default)
             elif f.default_factory is not dataclasses.MISSING:
                 object.__setattr__(self, f.name, f.default_factory())
-            else:
-                raise TypeError(f"{type(self).__name__}() missing required argument {f.name!r}")
+            # else: left unset, as AWS's NKI builds these objects (AWS's MLP kernels never
+            # pass a field they never read); reading it raises AttributeError
     elif args:
         raise TypeError(f"{type(self).__name__}() takes keyword arguments only")
     for k, v in kwargs.items():

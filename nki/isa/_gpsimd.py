@@ -118,11 +118,14 @@ def range_select(dst, on_true_tile, comp_op0, comp_op1, bound0, bound1, reduce_c
 
 
 def local_gather(dst, src_buffer, index, num_elem_per_idx=1, num_valid_indices=None, name=None):
-    """GpSimd gather within each group of 16 partitions.
+    """GpSimd gather within each group of 16 partitions (one GpSimd core's).
 
-    Each core flattens its 16-partition slice of index partition-first and uses the indices
-    to pick runs of num_elem_per_idx elements from its 16-partition slice of src_buffer
-    (flattened the same way); the gathered runs fill dst's 16 partitions partition-first."""
+    Each core flattens its 16-partition slice of ``index`` partition-first into one list of
+    positions; every partition of the core then gathers, at each position i, the run of
+    ``num_elem_per_idx`` elements src_row[i * num_elem_per_idx : (i + 1) * num_elem_per_idx]
+    of its own row, so a partition of ``dst`` holds n_indices x num_elem_per_idx elements
+    (AWS's example: src (128, 512, 4), index (128, 4), dst (128, 4, 16, 4); AWS's moe_tkg
+    gathers each expert's rows so)."""
     I = "local_gather"
     _T(dst, "dst", I), _T(src_buffer, "src_buffer", I), _T(index, "index", I)
     if not index.dtype.is_int:
@@ -130,23 +133,27 @@ def local_gather(dst, src_buffer, index, num_elem_per_idx=1, num_valid_indices=N
     P = src_buffer.shape[0]
     if P % 16 or index.shape[0] != P or dst.shape[0] != P:
         _rules.fail(E.ShapeMismatchError, f"{I}: src_buffer, index and dst must span the same multiple of 16 partitions")
-    _issue(I, "gpsimd", 150 + dst.free_size, [src_buffer, index], [dst])
     k = int(num_elem_per_idx)
     src, idx, out = _flat(src_buffer), _flat(index), _flat(dst).copy()
+    if src.shape[1] % k:
+        _rules.fail(E.ShapeMismatchError, f"{I}: elements per partition ({src.shape[1]}) must be a "
+                                          f"multiple of num_elem_per_idx ({k})")
+    per_core = 16 * idx.shape[1]
+    n = per_core if num_valid_indices is None else int(num_valid_indices)
+    if not 0 <= n <= per_core:
+        _rules.fail(E.ShapeMismatchError, f"{I}: num_valid_indices {n} exceeds the {per_core} "
+                                          f"indices of a core's 16-partition slice")
+    if n * k > out.shape[1]:
+        _rules.fail(E.ShapeMismatchError, f"{I}: {n} indices x {k} elements per partition do not "
+                                          f"fit dst's {out.shape[1]} elements per partition")
+    _issue(I, "gpsimd", 150 + n * k, [src_buffer, index], [dst])
+    rows = src.reshape(P, -1, k)                       # [partition, position, run]
     for c in range(P // 16):
-        s = src[c * 16:(c + 1) * 16].T.reshape(-1, k) if (src.shape[1] % k == 0) else None
-        if s is None:
-            _rules.fail(E.ShapeMismatchError, f"{I}: elements per partition must be a multiple of num_elem_per_idx")
-        ii = idx[c * 16:(c + 1) * 16].T.reshape(-1).astype(np.int64)
-        if num_valid_indices is not None:
-            ii = ii[:int(num_valid_indices)]
-        if ii.size and (ii.min() < 0 or ii.max() >= s.shape[0]):
-            _rules.fail(E.IndexOutOfBoundsError, f"{I}: gather index out of range [0, {s.shape[0]})")
-        g = s[ii].reshape(-1)
-        block = out[c * 16:(c + 1) * 16].T.reshape(-1)
-        n = min(g.size, block.size)
-        block[:n] = g[:n]
-        out[c * 16:(c + 1) * 16] = block.reshape(out.shape[1], 16).T
+        ii = idx[c * 16:(c + 1) * 16].T.reshape(-1)[:n].astype(np.int64)
+        if ii.size and (ii.min() < 0 or ii.max() >= rows.shape[1]):
+            _rules.fail(E.IndexOutOfBoundsError,
+                        f"{I}: gather index out of range [0, {rows.shape[1]})")
+        out[c * 16:(c + 1) * 16, :n * k] = rows[c * 16:(c + 1) * 16, ii, :].reshape(16, -1)
     _put(dst, out)
 
 

@@ -302,7 +302,7 @@ class NkiTensor:
             # One runtime offset for all partitions: indirect_dim starts scalar_offset further on.
             s_off = scalar_offset.value if hasattr(scalar_offset, "value") and \
                 not isinstance(scalar_offset, NkiTensor) else int(np.asarray(scalar_offset.v).flat[0])
-            offset = (offset or 0) + int(s_off) * int(pattern[indirect_dim][0])
+            offset = (offset or 0) + int(s_off) * self._indirect_stride(indirect_dim)
         if vector_offset is not None:
             return self._indirect_view(pattern, offset or 0, vector_offset, indirect_dim)
         if dtype is not None and getattr(dtype, "name", dtype) != self.dtype.name and dtype != self.dtype:
@@ -349,16 +349,25 @@ class NkiTensor:
                                             strides=tuple(byte_strides))
         return NkiTensor(self.buf, v)
 
+    def _indirect_stride(self, dim):
+        """Elements one index of this tensor's dim ``dim`` spans (AWS: an indirect offset is
+        scaled by the accumulated shape right of ``indirect_dim``, not by the pattern)."""
+        if not 0 <= dim < max(1, self.ndim):
+            rules.fail(E.ShapeMismatchError, f"ap: indirect_dim {dim} is not a dim of "
+                                             f"{self.name!r} {tuple(self.shape)}")
+        return int(np.prod(self.shape[dim + 1:], dtype=np.int64))
+
     def _indirect_view(self, pattern, offset, vector_offset, dim):
         """Per-partition runtime offsets (``vector_offset`` [P, 1]): index i of pattern dim
-        ``dim`` becomes vector_offset[i]. The result holds the addressed elements (gathered
-        now); a DMA writing it scatters them back (``nisa.dma_copy``), and out-of-range
-        offsets are the DMA's ``oob_mode`` to judge."""
+        ``dim`` becomes vector_offset[i] rows of this tensor's dim ``dim``. The result holds
+        the addressed elements (gathered now); a DMA writing it scatters them back
+        (``nisa.dma_copy``), and out-of-range offsets are the DMA's ``oob_mode`` to judge."""
         pat = [(int(st), int(n)) for st, n in pattern]
         idx = np.asarray(vector_offset.v).reshape(-1).astype(np.int64)
         if not 0 <= dim < len(pat) or pat[dim][1] != idx.size:
             rules.fail(E.ShapeMismatchError, f"ap: indirect_dim {dim} of pattern {pattern} must count "
                        f"the {idx.size} offsets of vector_offset {tuple(vector_offset.shape)}")
+        pat[dim] = (self._indirect_stride(dim), pat[dim][1])
         base = self.buf.data.reshape(-1)
         start = (self.v.__array_interface__["data"][0] - self.buf.ptr) // base.itemsize + offset
         flat = np.full([n for _, n in pat], start, dtype=np.int64)

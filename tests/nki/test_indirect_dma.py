@@ -95,3 +95,31 @@ def test_indirect_access_needs_an_hbm_tensor():
         return x
     with pytest.raises(nki.errors.MemoryLegalityError, match="indexes an HBM tensor"):
         k(np.zeros((128, 8), np.float32))
+
+
+def test_offsets_count_rows_of_the_tensor_not_pattern_steps():
+    """AWS: an indirect offset moves indirect_dim of the tensor, i.e. by the accumulated shape
+    right of it, whatever the pattern's step there (AWS's moe_cte reads a row's columns with
+    pattern [[1, n], [1, 1]] and scalar_offset=block_idx)."""
+    @nki.jit
+    def k(data, row, idx):
+        r = nisa.register_alloc(0)
+        nisa.register_load(r, row)
+        a = nl.ndarray((8, 1), dtype=data.dtype, buffer=nl.sbuf)     # row `row`, one per partition
+        nisa.dma_copy(dst=a, src=data.ap(pattern=[[1, 8], [1, 1]], offset=2, scalar_offset=r,
+                                         indirect_dim=0))
+        i = nl.ndarray((4, 1), dtype=nl.uint32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=i, src=idx)
+        b = nl.ndarray((4, 1), dtype=data.dtype, buffer=nl.sbuf)     # element 0 of rows idx
+        nisa.dma_copy(dst=b, src=data.ap(pattern=[[1, 4], [1, 1]], vector_offset=i, indirect_dim=0))
+        outs = []
+        for t in (a, b):
+            o = nl.ndarray(t.shape, dtype=data.dtype, buffer=nl.shared_hbm)
+            nisa.dma_copy(dst=o, src=t)
+            outs.append(o)
+        return outs
+    data = np.arange(6 * 10, dtype=np.float32).reshape(6, 10)
+    idx = np.array([[3], [0], [5], [1]], np.uint32)
+    a, b = k(data, np.array([[4]], np.int32), idx)
+    np.testing.assert_array_equal(np.asarray(a)[:, 0], data[4, 2:10])
+    np.testing.assert_array_equal(np.asarray(b)[:, 0], data[idx[:, 0], 0])

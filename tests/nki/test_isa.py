@@ -264,12 +264,23 @@ def test_max8_find_index8_match_replace8():
 
 
 def test_local_gather():
-    src = rand((16, 8))
-    idx = RNG.integers(0, 128, (16, 2)).astype(np.uint16)
-    r = run_instr(lambda d, s, i: (nisa.memset(d, 0), nisa.local_gather(d, s, i)), [src, idx], (16, 4), "float32")
-    flat_src = src.T.reshape(-1)          # partition-first
-    g = flat_src[idx.T.reshape(-1)]
-    np.testing.assert_array_equal(r.T.reshape(-1)[:g.size], g)
+    # AWS's semantics: a core's 16 x 2 indices, flattened partition-first, are positions in
+    # every partition's own row; each partition gathers runs of num_elem_per_idx there
+    src = rand((32, 12))
+    idx = RNG.integers(0, 6, (32, 2)).astype(np.uint16)
+    r = run_instr(lambda d, s, i: nisa.local_gather(d, s, i, num_elem_per_idx=2), [src, idx],
+                  (32, 64), "float32")
+    for c in range(2):
+        pos = idx[16 * c:16 * (c + 1)].T.reshape(-1).astype(np.int64)
+        runs = src[16 * c:16 * (c + 1)].reshape(16, 6, 2)[:, pos, :].reshape(16, -1)
+        np.testing.assert_array_equal(r[16 * c:16 * (c + 1)], runs)
+    # num_valid_indices: only the first ones of each core
+    r = run_instr(lambda d, s, i: (nisa.memset(d, -1.0), nisa.local_gather(
+        d, s, i, num_elem_per_idx=2, num_valid_indices=5)), [src, idx], (32, 64), "float32")
+    pos = idx[:16].T.reshape(-1)[:5].astype(np.int64)
+    want = src[:16].reshape(16, 6, 2)[:, pos, :].reshape(16, -1)
+    np.testing.assert_array_equal(r[:16, :10], want)
+    assert (r[:, 10:] == -1.0).all()
 
 
 def test_dropout_rng():

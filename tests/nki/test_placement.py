@@ -175,3 +175,11 @@ def test_dma_transpose_permutations_are_aws_s():
         return x
     with pytest.raises(E.NkiRuleError, match=r"support \(3, 1, 2, 0\)"):
         reversed4(x4)
+
+
+def test_tile_sizes_are_aws_s():
+    """PSUM sizes per bank per partition (AWS's kernels place bank b at b * psum_fmax * 4)."""
+    ts = nl.tile_size
+    assert (ts.pmax, ts.psum_fmax, ts.psum_bank_fmax, ts.psum_fmax_bytes, ts.psum_num_banks,
+            ts.gemm_stationary_fmax, ts.gemm_moving_fmax) == (128, 512, 512, 2048, 8, 128, 512)
+    assert ts.psum_num_banks * ts.psum_fmax * 4 == ts.psum_partition_size
