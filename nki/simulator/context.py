@@ -134,8 +134,8 @@ class Sim:
                 rules.fail(E.PartitionDimensionError,
                            f"{kind.upper()} tile {name!r} of shape {shape} placed at partition "
                            f"{p0} runs past partition {self.pmax - 1}")
-            buf = Buffer(kind, dtype, store, name, addr, alloc.place(addr, per_part, name, max(1, dtype.itemsize)),
-                         pbase=p0)
+            placed = alloc.place(addr, per_part, name, max(1, dtype.itemsize))
+            buf = Buffer(kind, dtype, store, name, addr, placed, pbase=p0)
         buf.recycle = True
         if kind == "psum":
             buf.groups = []
