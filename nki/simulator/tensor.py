@@ -105,11 +105,11 @@ class NkiTensor:
     def __init__(self, buf: Buffer, view: np.ndarray):
         self.buf, self.v, self.shape = buf, view, view.shape
         self._box = None
-        if buf.kind != "hbm" and view.ndim:
+        if buf.kind != "hbm" and view.ndim and buf.data.strides[0]:
             lo, _ = _bounds(view)
             self.pstart = buf.pbase + (lo - buf.ptr) // buf.data.strides[0]
-        else:
-            self.pstart = 0
+        else:           # HBM, or an empty tile (numpy gives it zero strides)
+            self.pstart = buf.pbase
 
     # -- AWS-visible attributes -------------------------------------------------------
     @property
@@ -398,6 +398,8 @@ class NkiTensor:
                     hi, h0 = divmod(hi, n)
                     b += [l0, h0 + 1]
                 self._box = (id(buf), tuple(b))
+            elif not buf.data.strides[0]:       # an empty tile: it touches nothing
+                self._box = (buf.kind, (buf.pbase, buf.pbase, buf.addr, buf.addr))
             else:
                 row = buf.data.strides[0] // buf.sitem
                 p0, f0 = divmod(lo, row)

@@ -183,3 +183,24 @@ def test_tile_sizes_are_aws_s():
     assert (ts.pmax, ts.psum_fmax, ts.psum_bank_fmax, ts.psum_fmax_bytes, ts.psum_num_banks,
             ts.gemm_stationary_fmax, ts.gemm_moving_fmax) == (128, 512, 512, 2048, 8, 128, 512)
     assert ts.psum_num_banks * ts.psum_fmax * 4 == ts.psum_partition_size
+
+
+def test_empty_tiles_and_a_core_with_no_work():
+    """A program of a grid may get no work (one query block over kernel[2]): its empty tiles
+    (zero numpy strides) must not crash the simulator (Omni's diffusion step found it)."""
+    from nkilib.core.attention.attention_cte import attention_cte
+    rng = np.random.default_rng(0)
+    q, v = (rng.standard_normal((1, 64, 32)).astype(np.float32) for _ in range(2))
+    k = rng.standard_normal((1, 32, 64)).astype(np.float32)
+    out = np.asarray(attention_cte[2](q, k, v, scale=0.2, causal_mask=False))
+    s = 0.2 * q[0].astype(np.float64) @ k[0]
+    p = np.exp(s - s.max(1, keepdims=True))
+    np.testing.assert_allclose(out[0], (p / p.sum(1, keepdims=True)) @ v[0], rtol=1e-4, atol=1e-5)
+
+    @nki.jit
+    def kernel(x):
+        t = nl.ndarray((P, 0), dtype=nl.float32, buffer=nl.sbuf)
+        u = nl.ndarray((0, 4), dtype=nl.float32, buffer=nl.psum)
+        assert t.pstart == 0 and u.pstart == 0 and t.box()[1][0] == t.box()[1][1]
+        return x
+    kernel(np.ones((1, 1), np.float32))

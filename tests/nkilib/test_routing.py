@@ -218,3 +218,15 @@ def test_decode_shaped_sdpa_is_the_decode_kernel():
     rate = Timeline(get_profile(cfg.profile.name)).hbm_bytes_per_ns
     extra_bytes = (8192 - 2048) * 64 * 4 * 2 * 2          # K and V, 2 kv heads, fp32
     assert 0.9 < (times[8192] - times[2048]) / (extra_bytes / rate) < 2.0
+
+
+def test_one_query_block_is_priced_on_two_cores():
+    """One head of at most 128 queries leaves the second core of kernel[2] no work; the
+    route still prices it (it crashed on the idle core's empty tiles)."""
+    cfg = _state.config()
+    q = torch.randn(1, 1, 64, 32, device="neuron")
+    _, fwd, _ = _attention_time(lambda x: F.scaled_dot_product_attention(x, x, x), q)
+    head = routes.head_latency_ns(cfg.profile.name, "fwd", 64, 64, 32, "float32", False, 1,
+                                  cfg.lnc)
+    assert head > 0
+    assert fwd == pytest.approx(cfg.profile.launch_overhead_ns * 1e-9 + head * 1e-9, rel=1e-9)
