@@ -171,20 +171,23 @@ class NkiTensor:
 
     # -- AWS's named view operations (nki.language.NkiTensor): numpy views of the storage,
     # so they read and write through like indexing; an on-chip tensor keeps its partition dim
-    def _dim(self, dim, what, extra=0):
+    def _dim(self, dim, what, extra=0, partition_ok=False):
         n = self.ndim + extra
         if not -n <= dim < n:
             rules.fail(E.ShapeMismatchError, f"{what}: dim {dim} out of range for "
                                              f"{self.name!r} of shape {tuple(self.shape)}")
         dim %= n
-        if dim == 0 and self.kind != "hbm" and what not in ("slice", "flatten_dims"):
-            rules.fail(E.ShapeMismatchError, f"{what}: dim 0 of {self.name!r} is its partition "
-                                             f"dimension ({self.kind.upper()}), which views keep")
+        if dim == 0 and self.kind != "hbm" and not partition_ok:
+            self._keeps_partitions(what)
         return dim
+
+    def _keeps_partitions(self, what):
+        rules.fail(E.ShapeMismatchError, f"{what}: dim 0 of {self.name!r} is its partition "
+                                         f"dimension ({self.kind.upper()}), which views keep")
 
     def slice(self, dim, start, end, step=1):
         """Elements start:end:step of ``dim``."""
-        dim = self._dim(dim, "slice")
+        dim = self._dim(dim, "slice", partition_ok=True)
         idx = [slice(None)] * self.ndim
         idx[dim] = slice(start, end, step)
         return NkiTensor(self.buf, self.v[tuple(idx)])
@@ -220,10 +223,10 @@ class NkiTensor:
 
     def flatten_dims(self, start_dim, end_dim):
         """Dims start_dim..end_dim (inclusive) merged into one, where no copy is needed."""
-        a = self._dim(start_dim, "flatten_dims")
-        b = self._dim(end_dim, "flatten_dims")
+        a = self._dim(start_dim, "flatten_dims", partition_ok=True)
+        b = self._dim(end_dim, "flatten_dims", partition_ok=True)
         if a == 0 < b and self.kind != "hbm":
-            self._dim(0, "flatten_dims (partition)")
+            self._keeps_partitions("flatten_dims")
         n = int(np.prod(self.shape[a:b + 1]))
         return self.reshape(tuple(self.shape[:a]) + (n,) + tuple(self.shape[b + 1:]))
 
@@ -234,7 +237,7 @@ class NkiTensor:
             rules.fail(E.ShapeMismatchError, f"permute: {dims} is not a permutation of the "
                                              f"{self.ndim} dims of {self.name!r}")
         if self.kind != "hbm" and dims[0] != 0:
-            self._dim(0, "permute")
+            self._keeps_partitions("permute")
         return NkiTensor(self.buf, np.transpose(self.v, dims))
 
     def broadcast(self, dim, size):
